@@ -1,0 +1,45 @@
+# Steward — `make up` runs the appliance on embedded defaults, `make test` runs ruff + pytest.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+# Python 3.12+ (mitmproxy 12 and Django 6 need it): the first one found.
+PYTHON312 ?= $(shell for p in python3.13 python3.12; do \
+	  if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys' >/dev/null 2>&1; then command -v $$p; exit 0; fi; done; \
+	  ls -d $$HOME/.pyenv/versions/3.1[23]*/bin/python3.1[23] 2>/dev/null | tail -n 1)
+UV ?= $(shell command -v uv 2>/dev/null || echo $$HOME/.local/bin/uv)
+VENV := .venv
+EXTRAS ?= --extra train
+
+.PHONY: help install up down test lint bench clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(UV):
+	python3 -m pip install --user --quiet uv || python3 -m pip install --quiet uv
+
+$(VENV)/.installed: pyproject.toml uv.lock | $(UV)
+	@test -n "$(PYTHON312)" || { echo "Python 3.12+ is required (set PYTHON312=/path/to/python3.12)"; exit 1; }
+	$(UV) sync --frozen --python "$(PYTHON312)" $(EXTRAS)
+	touch $@
+
+install: $(VENV)/.installed  ## create .venv from uv.lock (training extra included)
+
+up: install  ## run the whole appliance on embedded defaults (Ctrl-C stops it)
+	$(VENV)/bin/steward up
+
+down:  ## stop a left-over embedded PostgreSQL
+	$(VENV)/bin/steward down
+
+lint: install  ## ruff
+	$(VENV)/bin/ruff check .
+
+test: install  ## ruff, then the whole pytest suite
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest
+
+bench: install  ## benchmarks (tests/bench), figures go to stdout
+	$(VENV)/bin/python tests/bench/proxy_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,11 @@
+"""Celery app. Queues: capture (build steps), sanitize, gpu (training)."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+
+app = Celery("steward")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()

@@ -1,0 +1,172 @@
+"""Steward settings: one file, every value from the environment (see deploy/steward.env.sample)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("STEWARD_VAR_DIR", BASE_DIR / "var"))
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+DEBUG = env_bool("STEWARD_DEBUG", False)
+# The embedded appliance generates a secret under var/ on first start; production sets it.
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or os.environ.get(
+    "STEWARD_SECRET_KEY", "insecure-dev-key-set-DJANGO_SECRET_KEY-in-production"
+)
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("STEWARD_ALLOWED_HOSTS", "*").split(",") if h]
+CSRF_TRUSTED_ORIGINS = [
+    o.strip() for o in os.environ.get("STEWARD_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
+]
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "django_htmx",
+    "governance",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def _database_url() -> str:
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        return url
+    # No server configured: attach to (or start) the embedded PostgreSQL under var/.
+    from config.embedded import embedded_database_url
+
+    return embedded_database_url(VAR_DIR)
+
+
+DATABASE_URL = _database_url()
+DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+DATABASES["default"]["TEST"] = {"NAME": os.environ.get("STEWARD_TEST_DATABASE", "test_steward")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+WHITENOISE_USE_FINDERS = True
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["governance.auth.ApiTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_FILTER_BACKENDS": [],
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Steward API",
+    "DESCRIPTION": "Governed capture of LLM agent traffic: trajectories (ATDP v1), rewards, "
+    "erasure, datasets, approvals and training.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# --- Celery -----------------------------------------------------------------------------
+# No broker configured: kombu's SQLAlchemy transport on the same PostgreSQL (no extra server).
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or re.sub(
+    r"^postgres(ql)?(\+\w+)?://", "sqla+postgresql+psycopg://", DATABASE_URL
+)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "capture"
+CELERY_TASK_ROUTES = {
+    "governance.tasks.build_steps": {"queue": "capture"},
+}
+CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)
+CELERY_BEAT_SCHEDULE: dict = {}
+
+# --- Steward ----------------------------------------------------------------------------
+STEWARD_WEB_PORT = env_int("STEWARD_WEB_PORT", 8000)
+STEWARD_PROXY_PORT = env_int("STEWARD_PROXY_PORT", 8080)
+STEWARD_UPSTREAM_URL = os.environ.get("STEWARD_UPSTREAM_URL", "")
+STEWARD_SPOOL_DIR = Path(os.environ.get("STEWARD_SPOOL_DIR", VAR_DIR / "spool"))
+# Master key (base64, 32 bytes) wraps every data key; from the env or a file.
+STEWARD_MASTER_KEY = os.environ.get("STEWARD_MASTER_KEY", "")
+STEWARD_MASTER_KEY_FILE = os.environ.get("STEWARD_MASTER_KEY_FILE", str(VAR_DIR / "master.key"))
+# Keyed-hash secret for subject identifiers (erasure index). Defaults to one derived from the
+# master key so a single secret is enough for the embedded appliance.
+STEWARD_HARNESS_VERSION = "steward-proxy/0.1"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("STEWARD_LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
+
+if not DEBUG:
+    SESSION_COOKIE_HTTPONLY = True
+    SESSION_COOKIE_SECURE = env_bool("STEWARD_SECURE_COOKIES", False)
+    CSRF_COOKIE_SECURE = env_bool("STEWARD_SECURE_COOKIES", False)
+    SECURE_CONTENT_TYPE_NOSNIFF = True
+    X_FRAME_OPTIONS = "DENY"

@@ -1,0 +1,6 @@
+from django.urls import include, path
+
+urlpatterns = [
+    path("api/", include("governance.api_urls")),
+    path("", include("governance.urls")),
+]

@@ -1,0 +1,102 @@
+"""Keys and AEAD: the master key, per-subject/per-tenant data keys, keyed hashes, token hashes.
+
+Layering: the master key (32 bytes, from STEWARD_MASTER_KEY or a file) wraps data keys with
+AES-256-GCM; data keys encrypt raw payloads with AES-256-GCM. Subject identifiers are stored
+only as HMAC-SHA256 under a key derived from the master key, so the same subject maps to the
+same hash in a tenant but cannot be reversed or looked up in another tenant.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+from functools import lru_cache
+from pathlib import Path
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+NONCE_BYTES = 12
+
+
+class MasterKeyError(RuntimeError):
+    pass
+
+
+def load_master_key(env_value: str = "", file_path: str = "", create: bool = False) -> bytes:
+    """Master key from the env value (base64) or the file (base64); with `create`, a missing
+    file is generated (mode 0600) — the embedded appliance does this on first start."""
+    if env_value:
+        key = base64.b64decode(env_value)
+    else:
+        path = Path(file_path)
+        if not path.exists():
+            if not create:
+                raise MasterKeyError(
+                    f"no master key: set STEWARD_MASTER_KEY or create {path} "
+                    ""
+                    "(32 random bytes, base64)"
+                )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(base64.b64encode(os.urandom(32)).decode() + "\n")
+        key = base64.b64decode(path.read_text().strip())
+    if len(key) != 32:
+        raise MasterKeyError("the master key must be 32 bytes, base64-encoded")
+    return key
+
+
+@lru_cache(maxsize=1)
+def master_key() -> bytes:
+    from django.conf import settings
+
+    return load_master_key(settings.STEWARD_MASTER_KEY, settings.STEWARD_MASTER_KEY_FILE,
+                           create=True)
+
+
+def derive_key(master: bytes, purpose: str) -> bytes:
+    """A 32-byte sub-key for one purpose (spool encryption, subject hashing, ...)."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=f"steward/{purpose}".encode()).derive(master)
+
+
+def seal(key: bytes, plaintext: bytes, associated_data: bytes | None = None) -> bytes:
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + AESGCM(key).encrypt(nonce, plaintext, associated_data)
+
+
+def open_sealed(key: bytes, sealed: bytes, associated_data: bytes | None = None) -> bytes:
+    return AESGCM(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated_data)
+
+
+def new_data_key() -> bytes:
+    return AESGCM.generate_key(bit_length=256)
+
+
+def wrap_data_key(data_key: bytes, aad: bytes) -> bytes:
+    return seal(master_key(), data_key, aad)
+
+
+def unwrap_data_key(wrapped: bytes, aad: bytes) -> bytes:
+    return open_sealed(master_key(), bytes(wrapped), aad)
+
+
+def subject_hash(tenant_id: int, subject: str) -> str:
+    """Keyed hash of a data subject identifier, per tenant. Normalised (trimmed, casefolded) so
+    `Alice@Example.com` and `alice@example.com ` are the same person."""
+    key = derive_key(master_key(), "subject-hash")
+    msg = f"{tenant_id}:{subject.strip().casefold()}".encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token(prefix: str) -> str:
+    return prefix + secrets.token_urlsafe(30)

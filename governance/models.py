@@ -1,0 +1,293 @@
+"""Steward's data model: tenants and roles, keys, ATDP trajectories and steps, raw interactions,
+late-bound rewards and the hash-chained audit log.
+
+Every table that carries tenant data has a `tenant` foreign key and is read through
+`TenantQuerySet.for_tenant(...)` — the one place tenant scoping lives (see governance/api.py for
+the DRF side).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class Role(models.TextChoices):
+    ADMIN = "admin", "Tenant admin"
+    STEWARD = "steward", "Data steward"
+    COMPLIANCE = "compliance", "Compliance officer"
+    AUDITOR = "auditor", "Auditor"
+
+
+class TenantQuerySet(models.QuerySet):
+    def for_tenant(self, tenant: Tenant | int) -> TenantQuerySet:
+        tenant_id = tenant if isinstance(tenant, int) else tenant.pk
+        return self.filter(tenant_id=tenant_id)
+
+
+TenantManager = models.Manager.from_queryset(TenantQuerySet)
+
+
+class Tenant(models.Model):
+    slug = models.SlugField(max_length=64, unique=True)
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Membership(models.Model):
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                             related_name="memberships")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["user", "tenant"], name="membership_user_tenant"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} @ {self.tenant} ({self.role})"
+
+
+class Agent(models.Model):
+    """An agent (a program calling the LLM) of a tenant; proxy keys are issued per agent."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="agents")
+    name = models.CharField(max_length=128)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="agent_tenant_name"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.name}"
+
+
+class ProxyKey(models.Model):
+    """A `stw_...` key an agent sends as its Bearer token. Only the SHA-256 of the key is kept
+    (keys are 240-bit random, so a fast hash is enough); `prefix` identifies it in the console."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="proxy_keys")
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="proxy_keys")
+    prefix = models.CharField(max_length=16)
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    # The proxy polls max(updated_at) to refresh its in-memory key table.
+    updated_at = models.DateTimeField(auto_now=True, db_index=True)
+
+    objects = TenantManager()
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.agent})"
+
+
+class ApiToken(models.Model):
+    """A REST token (`stwt_...`) of one user in one tenant; stored hashed."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_tokens")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                             related_name="api_tokens")
+    prefix = models.CharField(max_length=16)
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantManager()
+
+
+class DataKey(models.Model):
+    """An AES-256-GCM data key, wrapped by the master key: one per subject (keyed hash), or one
+    per tenant (subject_hash empty). Destroying it crypto-shreds every payload it encrypted."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="data_keys")
+    subject_hash = models.CharField(max_length=64, blank=True, default="")
+    wrapped_key = models.BinaryField(null=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    destroyed_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "subject_hash"],
+                                    name="datakey_tenant_subject"),
+        ]
+
+
+class Consent(models.TextChoices):
+    TRAIN = "train", "Training allowed (pending approval)"
+    NO_TRAIN = "no-train", "Capture for audit only, never training"
+
+
+class Trajectory(models.Model):
+    """One agent episode: the steps of one session (header) or of one inferred conversation.
+    The id is chosen by the proxy (uuid5 of the session, or a new uuid4) so it can be returned
+    in `X-Steward-Trajectory` before anything reaches the database."""
+
+    class Source(models.TextChoices):
+        SESSION = "session", "X-Steward-Session header"
+        PREFIX = "prefix", "Inferred from the conversation prefix"
+        PREVIOUS_RESPONSE = "previous_response", "Responses API previous_response_id"
+        NEW = "new", "First call of a conversation"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="trajectories")
+    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="trajectories")
+    session_id = models.CharField(max_length=256, blank=True, default="")
+    source = models.CharField(max_length=24, choices=Source.choices, default=Source.NEW)
+    subject_hash = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    consent = models.CharField(max_length=16, choices=Consent.choices, default=Consent.TRAIN)
+    started_at = models.DateTimeField(db_index=True)
+    last_step_at = models.DateTimeField()
+    step_count = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "-started_at"], name="traj_tenant_started"),
+            models.Index(fields=["tenant", "agent", "-started_at"], name="traj_tenant_agent"),
+            models.Index(fields=["tenant", "session_id"], name="traj_tenant_session"),
+        ]
+
+
+class Interaction(models.Model):
+    """The raw captured exchange, as shipped from the proxy's spool. The request and response
+    (headers and bodies) are one AES-GCM ciphertext under `data_key`; the columns here are the
+    metadata needed without decrypting. `flow_id` makes shipping idempotent."""
+
+    class State(models.TextChoices):
+        CAPTURED = "captured", "Captured, step not built yet"
+        PROCESSED = "processed", "Step built"
+        QUARANTINED = "quarantined", "Quarantined (processing failed)"
+
+    flow_id = models.CharField(max_length=64, unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="interactions")
+    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="interactions")
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
+                                   related_name="interactions")
+    step_id = models.UUIDField(unique=True)
+    endpoint = models.CharField(max_length=32)  # chat.completions | completions | responses
+    method = models.CharField(max_length=8)
+    path = models.CharField(max_length=512)
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    is_stream = models.BooleanField(default=False)
+    request_is_json = models.BooleanField(default=True)
+    error_kind = models.CharField(max_length=32, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    subject_hash = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    consent = models.CharField(max_length=16, choices=Consent.choices, default=Consent.TRAIN)
+    started_at = models.DateTimeField()
+    first_byte_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    data_key = models.ForeignKey(DataKey, null=True, on_delete=models.SET_NULL,
+                                 related_name="interactions")
+    raw_ciphertext = models.BinaryField(null=True)
+    raw_expires_at = models.DateTimeField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.CAPTURED,
+                             db_index=True)
+    state_reason = models.TextField(blank=True, default="")
+    proxy_instance = models.CharField(max_length=128, blank=True, default="")
+    shipped_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+
+class Step(models.Model):
+    """One ATDP v1 step (one LLM call). Content fields hold the OpenAI message objects; served
+    as the ATDP document by governance/atdp.py. Never updated after it is built."""
+
+    id = models.UUIDField(primary_key=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="steps")
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, related_name="steps")
+    interaction = models.OneToOneField(Interaction, null=True, on_delete=models.SET_NULL,
+                                       related_name="step")
+    endpoint = models.CharField(max_length=32)
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    request_model = models.CharField(max_length=256, blank=True, default="")
+    response_model = models.CharField(max_length=256, blank=True, default="")
+    response_id = models.CharField(max_length=256, blank=True, default="", db_index=True)
+    observation = models.JSONField(default=dict)  # messages / prompt / input, tools, params
+    hidden_state = models.JSONField(default=dict)  # reasoning content when returned
+    action = models.JSONField(default=dict)  # assistant message(s), tool calls, finish reason
+    tokens = models.JSONField(default=dict)  # token ids / logprobs when the upstream returns them
+    usage = models.JSONField(default=dict)
+    timings = models.JSONField(default=dict)
+    versions = models.JSONField(default=dict)
+    metadata = models.JSONField(default=dict)
+    error = models.JSONField(null=True, blank=True)
+    classification = models.CharField(max_length=32, default="internal")
+    consent = models.CharField(max_length=16, choices=Consent.choices, default=Consent.TRAIN)
+    retention_until = models.DateTimeField(null=True, blank=True)
+    # Empty until the sanitizer has run: an unsanitized step is never training-eligible.
+    sanitizer_version = models.CharField(max_length=64, blank=True, default="")
+    training_eligible = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["trajectory", "started_at"], name="step_traj_started"),
+        ]
+
+
+class Reward(models.Model):
+    """A late-bound learning signal. Append-only (a trigger refuses UPDATE and DELETE outside
+    erasure/retention): a correction is a new row. It names a trajectory or an upstream response
+    id and may arrive before the capture exists; it is joined, never copied, onto steps."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="rewards")
+    trajectory_id = models.UUIDField(null=True, blank=True, db_index=True)
+    response_id = models.CharField(max_length=256, blank=True, default="", db_index=True)
+    name = models.CharField(max_length=64, default="reward")
+    value = models.FloatField()
+    final = models.BooleanField(default=True)
+    source = models.CharField(max_length=64, blank=True, default="api")
+    comment = models.TextField(blank=True, default="")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+
+class AuditEvent(models.Model):
+    """Append-only, hash-chained log. `seq` is gapless (allocated under an advisory lock);
+    `hash` = SHA-256(prev_hash || canonical JSON of the event). Payloads carry pseudonymous ids
+    only, so erasure never has to rewrite the chain."""
+
+    seq = models.BigIntegerField(unique=True)
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.PROTECT,
+                               related_name="audit_events")
+    actor = models.CharField(max_length=150)  # "user:<id>", "system:<component>", "token:<id>"
+    action = models.CharField(max_length=64)
+    object_type = models.CharField(max_length=64, blank=True, default="")
+    object_id = models.CharField(max_length=128, blank=True, default="")
+    payload = models.JSONField(default=dict)
+    created_at = models.DateTimeField()
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64)
+
+    objects = TenantManager()
+
+    class Meta:
+        ordering = ["seq"]

@@ -1,0 +1,262 @@
+"""The local spool: an append-only, encrypted, fsync'd journal of finished exchanges.
+
+The proxy's hooks call `SpoolWriter.append(record)`, which only puts the record on a queue; a
+writer thread encrypts each record (AES-256-GCM under a key derived from the master key),
+appends it as one base64 line to the active segment and fsyncs every `batch_size` records or
+`batch_ms` milliseconds, whichever comes first. So the event loop never waits for the disk, and
+a crash loses at most one unsynced batch.
+
+Layout of the spool directory:
+    seg-<unix_ms>-<pid>-<n>.open    the segment being written (one per proxy process)
+    seg-<unix_ms>-<pid>-<n>.log     a closed segment (renamed when it reaches `segment_bytes`
+                                    or `segment_seconds`, or when the proxy stops)
+    <segment>.offset                the shipper's committed byte offset into that segment
+
+The shipper (proxy/shipper.py) reads complete lines from both kinds, commits them to
+PostgreSQL idempotently (flow id is unique), then writes the offset; a closed segment whose
+offset reached its size is deleted. Spool files therefore hold raw payloads only encrypted, and
+only until shipped.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from governance.crypto import derive_key, open_sealed, seal
+
+log = logging.getLogger("steward.spool")
+
+RECORD_VERSION = 1
+_STOP = object()
+
+
+def spool_key(master: bytes) -> bytes:
+    return derive_key(master, "spool")
+
+
+def encode_line(key: bytes, record: dict[str, Any]) -> bytes:
+    return base64.b64encode(seal(key, orjson.dumps(record), b"steward-spool-v1")) + b"\n"
+
+
+def decode_line(key: bytes, line: bytes) -> dict[str, Any]:
+    return orjson.loads(open_sealed(key, base64.b64decode(line.rstrip(b"\n")),
+                                    b"steward-spool-v1"))
+
+
+def spool_bytes(spool_dir: Path) -> int:
+    total = 0
+    for entry in os.scandir(spool_dir):
+        if entry.name.startswith("seg-"):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class SpoolWriter:
+    def __init__(self, spool_dir: Path, master_key: bytes, *, batch_size: int = 64,
+                 batch_ms: float = 20.0, segment_bytes: int = 16 * 1024 * 1024,
+                 segment_seconds: float = 60.0, max_bytes: int = 1024**3) -> None:
+        self.dir = Path(spool_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.key = spool_key(master_key)
+        self.batch_size = batch_size
+        self.batch_s = batch_ms / 1000
+        self.segment_bytes = segment_bytes
+        self.segment_seconds = segment_seconds
+        self.max_bytes = max_bytes
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._segment_no = 0
+        self._file = None
+        self._path: Path | None = None
+        self._opened_at = 0.0
+        self._written = 0
+        # Approximate bytes on disk (ours + others' unshipped); refreshed by the writer thread.
+        self.used_bytes = spool_bytes(self.dir)
+        self._last_scan = time.monotonic()
+        self.records_written = 0
+        self._thread = threading.Thread(target=self._run, name="steward-spool-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop: must not block ------------------------------------
+    def append(self, record: dict[str, Any]) -> None:
+        self._queue.put(record)
+
+    def is_full(self) -> bool:
+        return self.used_bytes >= self.max_bytes
+
+    # -- writer thread ------------------------------------------------------------------
+    def _open_segment(self) -> None:
+        self._segment_no += 1
+        name = f"seg-{int(time.time() * 1000)}-{os.getpid()}-{self._segment_no}.open"
+        self._path = self.dir / name
+        self._file = open(self._path, "ab", buffering=0)
+        self._opened_at = time.monotonic()
+        self._written = 0
+
+    def _close_segment(self) -> None:
+        if self._file is None:
+            return
+        os.fsync(self._file.fileno())
+        self._file.close()
+        assert self._path is not None
+        os.rename(self._path, self._path.with_suffix(".log"))
+        self._file = None
+        self._path = None
+
+    def _run(self) -> None:
+        pending: list[bytes] = []
+        stopping = False
+        while not stopping:
+            try:
+                item = self._queue.get(timeout=self.batch_s)
+            except queue.Empty:
+                item = None
+            deadline = time.monotonic() + self.batch_s
+            while item is not None:
+                if item is _STOP:
+                    stopping = True
+                    break
+                try:
+                    pending.append(encode_line(self.key, item))
+                except Exception:  # a record we cannot serialise must not kill the writer
+                    log.exception("spool: dropping unserialisable record %s",
+                                  item.get("flow_id") if isinstance(item, dict) else "?")
+                if len(pending) >= self.batch_size or time.monotonic() >= deadline:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            if pending:
+                self._flush(pending)
+                pending = []
+            if self._file is not None and (
+                self._written >= self.segment_bytes
+                or time.monotonic() - self._opened_at >= self.segment_seconds
+            ):
+                self._close_segment()
+            if time.monotonic() - self._last_scan > 1.0:
+                self.used_bytes = spool_bytes(self.dir)
+                self._last_scan = time.monotonic()
+        self._close_segment()
+
+    def _flush(self, lines: list[bytes]) -> None:
+        if self._file is None:
+            self._open_segment()
+        data = b"".join(lines)
+        while True:
+            try:
+                self._file.write(data)
+                os.fsync(self._file.fileno())
+                break
+            except OSError:
+                # Disk full or I/O error: keep the records, retry; is_full() makes the proxy
+                # answer 503 meanwhile (or pass through, per STEWARD_SPOOL_FULL_POLICY).
+                log.exception("spool: write failed, retrying in 1 s")
+                self.used_bytes = self.max_bytes
+                time.sleep(1)
+        self._written += len(data)
+        self.used_bytes += len(data)
+        self.records_written += len(lines)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+
+@dataclass
+class SegmentBatch:
+    segment: Path
+    start: int  # byte offset of the first record
+    end: int  # byte offset after the last complete line
+    records: list[dict[str, Any]]
+    bad_lines: int
+
+
+def _offset_path(segment: Path) -> Path:
+    return segment.with_name(segment.name + ".offset")
+
+
+def read_offset(segment: Path) -> int:
+    try:
+        return int(_offset_path(segment).read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def commit_offset(segment: Path, offset: int) -> None:
+    tmp = _offset_path(segment).with_suffix(".tmp")
+    tmp.write_text(str(offset))
+    os.replace(tmp, _offset_path(segment))
+
+
+def segments(spool_dir: Path) -> list[Path]:
+    """Segments in write order (closed and open)."""
+    names = [p for p in Path(spool_dir).glob("seg-*") if p.suffix in (".open", ".log")]
+    return sorted(names, key=lambda p: (int(p.name.split("-")[1]), p.name))
+
+
+def read_batches(spool_dir: Path, master_key: bytes, max_records: int = 500
+                 ) -> Iterator[SegmentBatch]:
+    """Unshipped complete records, segment by segment, at most `max_records` per batch.
+    A line that fails to decrypt or parse is counted in `bad_lines` (and logged), never
+    silently skipped: it stays in the segment until an operator looks at it."""
+    key = spool_key(master_key)
+    for segment in segments(spool_dir):
+        offset = read_offset(segment)
+        try:
+            with open(segment, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        pos = 0
+        records: list[dict[str, Any]] = []
+        bad = 0
+        start = offset
+        while True:
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                break  # an incomplete last line is still being written
+            line = data[pos:nl + 1]
+            pos = nl + 1
+            try:
+                records.append(decode_line(key, line))
+            except Exception:
+                bad += 1
+                log.error("spool: undecodable line in %s at byte %d", segment.name,
+                          offset + pos - len(line))
+            if len(records) >= max_records:
+                yield SegmentBatch(segment, start, offset + pos, records, bad)
+                start, records, bad = offset + pos, [], 0
+        if records or bad or start != offset + pos:
+            yield SegmentBatch(segment, start, offset + pos, records, bad)
+
+
+def finish_segment_if_done(segment: Path) -> bool:
+    """Delete a closed segment whose every byte is shipped. Returns True when deleted."""
+    if segment.suffix != ".log":
+        return False
+    try:
+        size = segment.stat().st_size
+    except FileNotFoundError:
+        return False
+    if read_offset(segment) >= size:
+        segment.unlink(missing_ok=True)
+        _offset_path(segment).unlink(missing_ok=True)
+        return True
+    return False
