@@ -38,7 +38,6 @@ def load_master_key(env_value: str = "", file_path: str = "", create: bool = Fal
             if not create:
                 raise MasterKeyError(
                     f"no master key: set STEWARD_MASTER_KEY or create {path} "
-                    ""
                     "(32 random bytes, base64)"
                 )
             path.parent.mkdir(parents=True, exist_ok=True)
