@@ -138,9 +138,13 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "capture"
 CELERY_TASK_ROUTES = {
     "governance.tasks.build_steps": {"queue": "capture"},
+    "governance.tasks.build_pending_steps": {"queue": "capture"},
 }
 CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)
-CELERY_BEAT_SCHEDULE: dict = {}
+CELERY_BEAT_SCHEDULE: dict = {
+    # Picks up interactions whose build_steps message was lost (e.g. broker restart).
+    "build-pending-steps": {"task": "governance.tasks.build_pending_steps", "schedule": 60.0},
+}
 
 # --- Steward ----------------------------------------------------------------------------
 STEWARD_WEB_PORT = env_int("STEWARD_WEB_PORT", 8000)
@@ -152,6 +156,7 @@ STEWARD_MASTER_KEY = os.environ.get("STEWARD_MASTER_KEY", "")
 STEWARD_MASTER_KEY_FILE = os.environ.get("STEWARD_MASTER_KEY_FILE", str(VAR_DIR / "master.key"))
 # Keyed-hash secret for subject identifiers (erasure index). Defaults to one derived from the
 # master key so a single secret is enough for the embedded appliance.
+STEWARD_RAW_RETENTION_DAYS = env_int("STEWARD_RAW_RETENTION_DAYS", 7)
 STEWARD_HARNESS_VERSION = "steward-proxy/0.1"
 
 LOGGING = {

@@ -117,3 +117,32 @@ def create_api_token(actor: Any, tenant: Tenant, user: Any) -> IssuedSecret:
     record_event(actor, "api_token.created", tenant=tenant, object_type="api_token",
                  object_id=token.pk, payload={"user": user.pk, "prefix": token.prefix})
     return IssuedSecret(secret, token)
+
+
+@transaction.atomic
+def record_reward(actor: Any, tenant: Tenant, *, value: float, response_id: str = "",
+                  trajectory_id: Any = None, name: str = "reward", final: bool = True,
+                  comment: str = "", source: str = "api") -> Any:
+    """Append a late-bound reward naming a trajectory or an upstream response id (exactly one).
+    The capture it names may not exist yet: rewards are joined when a trajectory is served,
+    never copied, so nothing is checked against the steps here."""
+    import math
+
+    from governance.models import Reward
+
+    if bool(response_id) == (trajectory_id is not None):
+        raise ServiceError("give exactly one of response_id or trajectory_id")
+    if not math.isfinite(value):
+        raise ServiceError("value must be a finite number")
+    reward = Reward.objects.create(
+        tenant=tenant, trajectory_id=trajectory_id, response_id=response_id or "", name=name,
+        value=value, final=final, source=source, comment=comment,
+        created_by=actor if hasattr(actor, "pk") else None,
+    )
+    # The comment is free text (may name people): it stays out of the audit payload.
+    record_event(actor, "reward.recorded", tenant=tenant, object_type="reward",
+                 object_id=reward.pk,
+                 payload={"trajectory_id": str(trajectory_id) if trajectory_id else None,
+                          "response_id": response_id or None, "name": name, "value": value,
+                          "final": final, "source": source})
+    return reward

@@ -214,7 +214,7 @@ def read_batches(spool_dir: Path, master_key: bytes, max_records: int = 500
                  ) -> Iterator[SegmentBatch]:
     """Unshipped complete records, segment by segment, at most `max_records` per batch.
     A line that fails to decrypt or parse is counted in `bad_lines` (and logged), never
-    silently skipped: it stays in the segment until an operator looks at it."""
+    silently skipped: the shipper copies it to the dead-letter file before moving past it."""
     key = spool_key(master_key)
     for segment in segments(spool_dir):
         offset = read_offset(segment)

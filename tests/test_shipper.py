@@ -1,0 +1,446 @@
+"""The spool shipper (proxy/shipper.py) and the step builder (governance/tasks.py) on the real
+PostgreSQL: idempotent shipping, encryption at rest, dead letters and quarantine, a database
+outage through a TCP relay, and a real Celery worker on Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from governance.crypto import master_key, subject_hash
+from governance.models import AuditEvent, DataKey, Interaction, Step, Trajectory
+from governance.rawstore import data_key_aad, decode_body, open_raw
+from governance.tasks import build_pending_steps, build_steps
+from proxy.shipper import DEAD_LETTER_NAME, Shipper, ship_once
+from proxy.spool import SpoolWriter, segments
+from tests.pipeline import chat_response, make_record, write_records
+
+ROOT = Path(__file__).resolve().parent.parent
+REDIS_URL = os.environ.get("STEWARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+
+
+@pytest.fixture
+def agent(tenant):
+    from governance.services import ensure_agent
+
+    return ensure_agent("system:test", tenant, "support-bot")
+
+
+def _offsets(spool: Path) -> list[Path]:
+    return list(spool.glob("*.offset"))
+
+
+def test_ship_once_inserts_encrypts_and_enqueues(tenant, agent, tmp_path,
+                                                 django_capture_on_commit_callbacks):
+    traj = str(uuid.uuid4())
+    t0 = time.time() - 10
+    records = [
+        make_record(tenant.pk, agent.pk, trajectory_id=traj, session="s-1", source="session",
+                    subject="Alice@Example.com", response=chat_response("one"), t=t0),
+        make_record(tenant.pk, agent.pk, trajectory_id=traj, session="s-1", source="session",
+                    subject=" alice@example.com", response=chat_response("two"), t=t0 + 1),
+        make_record(tenant.pk, agent.pk, consent="no-train", response=chat_response("x"),
+                    request=b"\x00binary request", t=t0 + 2),
+    ]
+    write_records(tmp_path, records)
+    enqueued: list[list[int]] = []
+    with django_capture_on_commit_callbacks(execute=True):
+        counts = ship_once(tmp_path, enqueue=enqueued.append)
+    assert counts["inserted"] == 3 and counts["duplicates"] == 0
+    assert counts["segments_finished"] == 1 and segments(tmp_path) == []
+
+    rows = {ia.flow_id: ia for ia in Interaction.objects.for_tenant(tenant)}
+    assert set(rows) == {r["flow_id"] for r in records}
+    assert sorted(enqueued[0]) == sorted(ia.pk for ia in rows.values())
+
+    # One data key per subject (normalised), one per tenant for the call without a subject.
+    h = subject_hash(tenant.pk, "alice@example.com")
+    keys = {k.subject_hash: k for k in DataKey.objects.for_tenant(tenant)}
+    assert set(keys) == {h, ""}
+    assert rows[records[0]["flow_id"]].data_key_id == keys[h].pk
+    assert rows[records[2]["flow_id"]].data_key_id == keys[""].pk
+    assert rows[records[0]["flow_id"]].subject_hash == h
+
+    # The raw exchange decrypts back to the exact bytes; the ciphertext does not contain them.
+    for rec in records:
+        ia = rows[rec["flow_id"]]
+        raw = open_raw(ia)
+        assert decode_body(raw["request_body"]) == base64.b64decode(rec["request_body"])
+        assert decode_body(raw["response_body"]) == base64.b64decode(rec["response_body"])
+        assert raw["request_headers"] == rec["request_headers"]
+        assert base64.b64decode(rec["request_body"]) not in bytes(ia.raw_ciphertext)
+        expected = timezone.now() + timedelta(days=7)
+        assert abs((ia.raw_expires_at - expected).total_seconds()) < 60
+    # AAD binds the wrapped key to its tenant and subject: moved to another row, it won't open.
+    from cryptography.exceptions import InvalidTag
+
+    from governance.crypto import unwrap_data_key
+    with pytest.raises(InvalidTag):
+        unwrap_data_key(bytes(keys[h].wrapped_key), data_key_aad(tenant.pk, ""))
+
+    t = Trajectory.objects.get(pk=traj)
+    assert (t.step_count, t.session_id, t.source, t.subject_hash) == (2, "s-1", "session", h)
+    assert t.started_at.timestamp() == pytest.approx(t0, abs=1e-3)
+    assert t.last_step_at.timestamp() == pytest.approx(t0 + 1, abs=1e-3)
+    other = Trajectory.objects.get(pk=records[2]["trajectory_id"])
+    assert other.consent == "no-train" and rows[records[2]["flow_id"]].consent == "no-train"
+    assert AuditEvent.objects.filter(action="capture.shipped", tenant=tenant).count() == 1
+
+
+def test_shipping_twice_duplicates_nothing(tenant, agent, tmp_path):
+    traj = str(uuid.uuid4())
+    writer = SpoolWriter(tmp_path, master_key(), batch_ms=5)
+    records = [make_record(tenant.pk, agent.pk, trajectory_id=traj,
+                           response=chat_response(str(i))) for i in range(5)]
+    for r in records:
+        writer.append(r)
+    deadline = time.time() + 5
+    while writer.records_written < 5 and time.time() < deadline:
+        time.sleep(0.01)
+    try:
+        first = ship_once(tmp_path, enqueue=None)
+        assert first["inserted"] == 5
+        # Forget the offsets: the whole open segment is read and shipped again.
+        for p in _offsets(tmp_path):
+            p.unlink()
+        again: list[list[int]] = []
+        second = ship_once(tmp_path, enqueue=again.append)
+        assert second["records"] == 5 and second["inserted"] == 0
+        assert second["duplicates"] == 5 and again == []
+        assert Interaction.objects.filter(trajectory_id=traj).count() == 5
+        assert Trajectory.objects.get(pk=traj).step_count == 5
+    finally:
+        writer.close()
+
+
+def test_bad_lines_and_invalid_records_are_dead_lettered_or_quarantined(tenant, agent,
+                                                                        other_tenant, tmp_path):
+    good = make_record(tenant.pk, agent.pk, response=chat_response())
+    no_tenant = make_record(tenant.pk, agent.pk)
+    del no_tenant["tenant_id"]
+    wrong_tenant = make_record(other_tenant.pk, agent.pk)  # agent is not in that tenant
+    bad_ids = make_record(tenant.pk, agent.pk, response=chat_response())
+    bad_ids["trajectory_id"] = "not-a-uuid"
+    bad_ids["request_body"] = "%%% not base64"
+    write_records(tmp_path, [good, no_tenant, wrong_tenant, bad_ids])
+    seg = segments(tmp_path)[0]
+    with open(seg, "ab") as f:  # a line nobody can decrypt (e.g. a foreign key)
+        f.write(base64.b64encode(b"garbage-that-is-not-a-sealed-record") + b"\n")
+
+    shipper = Shipper(tmp_path, enqueue=None)
+    counts = shipper.ship_once().as_dict()
+    assert counts["bad_lines"] == 1
+    assert counts["dead_lettered"] == 3
+    assert counts["inserted"] == 2 and counts["quarantined"] == 1
+    assert not seg.exists()  # shipped, dead letters kept elsewhere
+
+    dead = shipper.read_dead_letters()
+    reasons = sorted(d["reason"] for d in dead)
+    assert reasons == [f"agent {agent.pk} does not exist in tenant {other_tenant.pk}",
+                       "missing or invalid tenant_id", "undecodable spool line"]
+    flows = {d["record"]["flow_id"] for d in dead if "record" in d}
+    assert flows == {no_tenant["flow_id"], wrong_tenant["flow_id"]}
+    line = next(d for d in dead if "line_b64" in d)
+    assert base64.b64decode(line["line_b64"]) == base64.b64encode(
+        b"garbage-that-is-not-a-sealed-record") + b"\n"
+    # The dead-letter file is encrypted like the spool.
+    assert b"missing or invalid" not in (tmp_path / DEAD_LETTER_NAME).read_bytes()
+
+    q = Interaction.objects.get(flow_id=bad_ids["flow_id"])
+    assert q.state == "quarantined"
+    assert "invalid trajectory_id" in q.state_reason and "request_body" in q.state_reason
+    assert Interaction.objects.get(flow_id=good["flow_id"]).state == "captured"
+
+
+def test_step_id_collision_is_dead_lettered_not_lost(tenant, agent, tmp_path):
+    first = make_record(tenant.pk, agent.pk, response=chat_response())
+    clash = make_record(tenant.pk, agent.pk, response=chat_response())
+    clash["step_id"] = first["step_id"]
+    write_records(tmp_path, [first, clash])
+    shipper = Shipper(tmp_path, enqueue=None)
+    counts = shipper.ship_once().as_dict()
+    assert (counts["inserted"], counts["dead_lettered"]) == (1, 1)
+    assert [d["record"]["flow_id"] for d in shipper.read_dead_letters()] == [clash["flow_id"]]
+
+
+def test_large_batches_are_inserted_in_chunks(tenant, agent, tmp_path, monkeypatch):
+    import governance.rawstore
+
+    # A smaller chunk than production's 1000 rows exercises the multi-statement path quickly.
+    monkeypatch.setattr(governance.rawstore, "INSERT_CHUNK", 40)
+    records = [make_record(tenant.pk, agent.pk, response=chat_response()) for _ in range(250)]
+    records.append(records[3])  # a duplicate inside the batch
+    write_records(tmp_path, records)
+    counts = Shipper(tmp_path, enqueue=None, max_records=500).ship_once().as_dict()
+    assert (counts["inserted"], counts["duplicates"], counts["batches"]) == (250, 1, 1)
+    assert Interaction.objects.for_tenant(tenant).count() == 250
+
+
+def test_build_steps_builds_quarantines_and_is_idempotent(tenant, agent, tmp_path):
+    ok = make_record(tenant.pk, agent.pk, response=chat_response("fine", rid="chatcmpl-ok"),
+                     consent="no-train")
+    broken = make_record(tenant.pk, agent.pk, response=b"<html>not json</html>", status=200)
+    failed = make_record(tenant.pk, agent.pk, response={"error": {"message": "boom"}},
+                         status=500)
+    erased = make_record(tenant.pk, agent.pk, subject="bob", response=chat_response())
+    write_records(tmp_path, [ok, broken, failed, erased])
+    ship_once(tmp_path, enqueue=None)
+    ids = {r["flow_id"]: Interaction.objects.get(flow_id=r["flow_id"]).pk
+           for r in (ok, broken, failed, erased)}
+    # Crypto-shred bob's key before the step is built: the payload can no longer be read.
+    DataKey.objects.filter(subject_hash=subject_hash(tenant.pk, "bob")).update(
+        wrapped_key=None, destroyed_at=timezone.now())
+
+    result = build_steps(list(ids.values()))
+    assert result == {"built": 2, "quarantined": 2, "skipped": 0}
+    step = Step.objects.get(interaction_id=ids[ok["flow_id"]])
+    assert str(step.id) == ok["step_id"]
+    assert step.response_id == "chatcmpl-ok" and step.action["messages"][0]["content"] == "fine"
+    assert (step.consent, step.training_eligible, step.sanitizer_version) == ("no-train",
+                                                                             False, "")
+    assert step.classification == "internal" and step.retention_until is None
+    assert step.versions["harness_version"] == "steward-proxy/0.1"
+    assert Step.objects.get(interaction_id=ids[failed["flow_id"]]).error["kind"] == "http_error"
+    b = Interaction.objects.get(pk=ids[broken["flow_id"]])
+    assert b.state == "quarantined" and "not a JSON object" in b.state_reason
+    e = Interaction.objects.get(pk=ids[erased["flow_id"]])
+    assert e.state == "quarantined" and "destroyed" in e.state_reason
+    assert AuditEvent.objects.filter(action="capture.steps_built").count() == 1
+
+    # A redelivered message builds nothing twice.
+    assert build_steps(list(ids.values())) == {"built": 0, "quarantined": 0, "skipped": 4}
+    assert Step.objects.filter(tenant=tenant).count() == 2
+
+
+def test_build_pending_steps_picks_up_lost_messages(tenant, agent, tmp_path):
+    from config.celery import app
+
+    rec = make_record(tenant.pk, agent.pk, response=chat_response())
+    write_records(tmp_path, [rec])
+    ship_once(tmp_path, enqueue=None)  # the message was "lost"
+    assert build_pending_steps() == 0  # too fresh: its message may still be on its way
+    Interaction.objects.update(shipped_at=timezone.now() - timedelta(minutes=2))
+    app.conf.task_always_eager = True
+    try:
+        assert build_pending_steps() == 1
+    finally:
+        app.conf.task_always_eager = False
+    assert Interaction.objects.get(flow_id=rec["flow_id"]).state == "processed"
+
+
+# --- real processes ----------------------------------------------------------------------------
+
+class TcpRelay:
+    """A TCP relay on 127.0.0.1 between the shipper and PostgreSQL that can be cut (every
+    connection aborted, new ones refused) and restored on the same port."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: asyncio.AbstractServer | None = None
+        self.transports: set[asyncio.Transport] = set()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.transports |= {writer.transport, up_writer.transport}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    def start(self) -> None:
+        async def start() -> asyncio.AbstractServer:
+            return await asyncio.start_server(self._handle, "127.0.0.1", self.port,
+                                              reuse_address=True)
+
+        self.server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(5)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        async def stop() -> None:
+            assert self.server is not None
+            self.server.close()
+            for t in list(self.transports):
+                t.abort()
+            self.transports.clear()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
+
+    def close(self) -> None:
+        self.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _child_env(db_port: int, **extra: str) -> dict[str, str]:
+    s = connection.settings_dict
+    env = dict(os.environ)
+    env.update({
+        "DATABASE_URL": f"postgresql://{s['USER']}@{s['HOST'] or '127.0.0.1'}:{db_port}/"
+                        f"{s['NAME']}",
+        "STEWARD_MASTER_KEY": base64.b64encode(master_key()).decode(),
+        "PYTHONUNBUFFERED": "1",
+        "CELERY_BROKER_URL": REDIS_URL,
+    })
+    env.update(extra)
+    return env
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _shipped(flows: list[str]) -> int:
+    return Interaction.objects.filter(flow_id__in=flows).count()
+
+
+@pytest.mark.timeout(120)
+def test_database_outage_loses_and_duplicates_nothing(transactional_db, tenant, agent,
+                                                      tmp_path):
+    relay = TcpRelay(int(connection.settings_dict["PORT"] or 5432))
+    relay.start()
+    log_path = tmp_path / "shipper.log"
+    spool = tmp_path / "spool"
+    spool.mkdir()
+
+    def start_shipper() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "manage.py", "ship_spool", "--interval", "0.05", "--spool-dir",
+             str(spool), "--no-enqueue"],
+            cwd=ROOT, env=_child_env(relay.port), stdout=subprocess.DEVNULL,
+            stderr=open(log_path, "ab"))
+
+    shipper = start_shipper()
+    writer = SpoolWriter(spool, master_key(), batch_ms=5, segment_seconds=0.5)
+    traj = str(uuid.uuid4())
+    flows: list[str] = []
+
+    def produce(n: int) -> None:
+        for _ in range(n):
+            rec = make_record(tenant.pk, agent.pk, trajectory_id=traj, source="session",
+                              session="outage", response=chat_response())
+            flows.append(rec["flow_id"])
+            writer.append(rec)
+            time.sleep(0.01)
+
+    try:
+        produce(20)
+        _wait(lambda: _shipped(flows) == 20, 60, "the first 20 records")
+
+        relay.stop()  # the database "goes down" for the shipper
+        produce(30)  # the proxy keeps capturing meanwhile
+        time.sleep(1.5)
+        assert _shipped(flows) == 20
+        assert shipper.poll() is None, "the shipper must survive the outage"
+        assert any(spool.glob("seg-*"))  # the spool holds what could not be shipped
+
+        relay.start()  # back on the same port
+        _wait(lambda: _shipped(flows) == 50, 60, "the records written during the outage")
+        produce(10)
+        _wait(lambda: _shipped(flows) == 60, 30, "records after recovery")
+
+        # A restart that forgets every offset re-reads the spool and inserts nothing twice.
+        shipper.terminate()
+        shipper.wait(10)
+        for p in spool.glob("*.offset"):
+            p.unlink()
+        shipper = start_shipper()
+        time.sleep(3)
+        assert Interaction.objects.filter(flow_id__in=flows).count() == 60
+        assert Trajectory.objects.get(pk=traj).step_count == 60
+        log_text = log_path.read_text()
+        assert "database unavailable" in log_text and "retrying" in log_text
+    finally:
+        writer.close()
+        shipper.terminate()
+        try:
+            shipper.wait(10)
+        except subprocess.TimeoutExpired:
+            shipper.kill()
+        relay.close()
+
+
+@pytest.mark.timeout(180)
+def test_celery_worker_builds_steps_from_shipped_interactions(transactional_db, tenant, agent,
+                                                              tmp_path):
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    client.delete("capture")
+    spool = tmp_path / "spool"
+    port = int(connection.settings_dict["PORT"] or 5432)
+    log_path = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "capture", "-c", "1",
+         "--pool", "solo", "--without-heartbeat", "--without-gossip", "--without-mingle",
+         "-l", "info", "-n", f"capture-test-{os.getpid()}@%h"],
+        cwd=ROOT, env=_child_env(port), stdout=subprocess.DEVNULL,
+        stderr=open(log_path, "ab"))
+    shipper = None
+    try:
+        records = [
+            make_record(tenant.pk, agent.pk, response=chat_response("a", rid="chatcmpl-w1")),
+            make_record(tenant.pk, agent.pk, response=b"\x89PNG not json", status=200),
+        ]
+        write_records(spool, records)
+        shipper = subprocess.Popen(
+            [sys.executable, "manage.py", "ship_spool", "--interval", "0.1", "--spool-dir",
+             str(spool)], cwd=ROOT, env=_child_env(port), stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "shipper.log", "ab"))
+
+        def done() -> bool:
+            return Interaction.objects.filter(
+                flow_id__in=[r["flow_id"] for r in records],
+                state__in=["processed", "quarantined"]).count() == 2
+
+        try:
+            _wait(done, 120, "the worker to build the steps")
+        except AssertionError:
+            raise AssertionError("worker log:\n" + log_path.read_text()[-3000:]) from None
+        step = Step.objects.get(pk=records[0]["step_id"])
+        assert step.response_id == "chatcmpl-w1"
+        assert step.action["messages"][0]["content"] == "a"
+        bad = Interaction.objects.get(flow_id=records[1]["flow_id"])
+        assert bad.state == "quarantined" and not Step.objects.filter(interaction=bad).exists()
+        assert "governance.tasks.build_steps" in log_path.read_text()
+    finally:
+        for proc in (shipper, worker):
+            if proc is not None:
+                proc.terminate()
+        for proc in (shipper, worker):
+            if proc is not None:
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        client.delete("capture")
