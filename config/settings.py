@@ -170,6 +170,10 @@ LOGGING = {
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
 
+# Behind the nginx TLS front (deploy/nginx.conf) the scheme arrives in X-Forwarded-Proto.
+if env_bool("STEWARD_BEHIND_TLS_PROXY", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
 if not DEBUG:
     SESSION_COOKIE_HTTPONLY = True
     SESSION_COOKIE_SECURE = env_bool("STEWARD_SECURE_COOKIES", False)

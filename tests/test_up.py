@@ -1,0 +1,274 @@
+"""End to end: `steward up` as a real process (what `make up` runs) — web, proxy, shipper,
+Celery worker and beat, the demo upstream — then an agent call through the printed base_url
+with the official `openai` client, the trajectory visible over REST with the printed token,
+and a clean Ctrl-C (SIGINT) that leaves no process behind.
+
+Two variants: DATABASE_URL set (a throwaway database on the local server; the Celery broker is
+derived from it: kombu's SQLAlchemy transport over TCP) and DATABASE_URL unset (the embedded
+pgserver PostgreSQL under var/pg, the broker on its Unix socket)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+import httpx
+import psycopg
+import pytest
+from openai import AuthenticationError, OpenAI
+
+REPO = Path(__file__).resolve().parent.parent
+READY_LINE = "Ctrl-C stops everything."
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def steward_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "steward"  # the console script `make up` runs
+    return [str(script)] if script.exists() else [sys.executable, "-m", "config.cli"]
+
+
+def _admin_url(url: str, dbname: str) -> str:
+    return urlunparse(urlparse(url)._replace(path=f"/{dbname}", query=""))
+
+
+@pytest.fixture
+def throwaway_database():
+    """A fresh database on the server DATABASE_URL names; dropped afterwards."""
+    base = os.environ.get("DATABASE_URL")
+    if not base:
+        pytest.skip("DATABASE_URL is not set")
+    name = f"steward_up_{uuid.uuid4().hex[:10]}"
+    admin = _admin_url(base, "postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield _admin_url(base, name)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class Up:
+    """A running `steward up` whose output is collected by a thread."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [*steward_cmd(), "up"], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # our SIGINT goes to the launcher only, as Ctrl-C would
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(READY_LINE in line for line in self.lines):
+                return self.output
+            if self.proc.poll() is not None:
+                time.sleep(0.3)
+                pytest.fail(f"steward up exited {self.proc.returncode}:\n{self.output[-6000:]}")
+            time.sleep(0.2)
+        pytest.fail(f"steward up not ready after {timeout}s:\n{self.output[-6000:]}")
+
+    def value(self, label: str) -> str:
+        m = re.search(rf"{label}:\s+(\S+)", self.output)
+        assert m, f"no {label!r} in the banner:\n{self.output[-3000:]}"
+        return m.group(1)
+
+    def stop(self, timeout: float = 90) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self._reader.join(timeout=5)
+        return code
+
+    def force_cleanup(self) -> None:
+        """After a failure: whatever is left, `steward down` stops (it reads var/run/up.json)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        subprocess.run([*steward_cmd(), "down"], cwd=REPO, env=self.env, timeout=120,
+                       capture_output=True)
+
+
+def _alive(entry: dict) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(entry["pid"]).create_time() == entry["created"]
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _port_accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def run_appliance(tmp_path: Path, database_url: str | None) -> None:
+    var = tmp_path / "var"
+    web_port, proxy_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"DATABASE_URL", "CELERY_BROKER_URL", "STEWARD_UPSTREAM_URL",
+                        "STEWARD_MASTER_KEY", "STEWARD_MASTER_KEY_FILE", "DJANGO_SECRET_KEY",
+                        "STEWARD_CELERY_EAGER", "STEWARD_SPOOL_DIR", "DJANGO_SETTINGS_MODULE"}}
+    env.update(STEWARD_VAR_DIR=str(var), STEWARD_WEB_PORT=str(web_port),
+               STEWARD_PROXY_PORT=str(proxy_port), NO_COLOR="1")
+    if database_url:
+        env["DATABASE_URL"] = database_url
+
+    up = Up(env)
+    try:
+        up.wait_ready(timeout=150)
+        base_url = up.value("base_url")
+        key = up.value("proxy key")
+        token = up.value("api token")
+        console = up.value("console")
+        assert base_url == f"http://127.0.0.1:{proxy_port}/v1"
+        assert key.startswith("stw_") and token.startswith("stwt_")
+        assert console == f"http://127.0.0.1:{web_port}/"
+        assert "demo-admin / " in up.output
+
+        # Secrets were generated under var/ and are private.
+        for name in ("secret.key", "master.key", "demo-credentials.json"):
+            assert stat.S_IMODE((var / name).stat().st_mode) == 0o600, name
+        creds = json.loads((var / "demo-credentials.json").read_text())
+        assert creds["proxy_key"] == key and creds["api_token"] == token
+
+        # An agent call through the proxy, with the official client.
+        # (Clients are closed before the Ctrl-C: CPython 3.12.1's asyncio prints a spurious
+        # CancelledError traceback when mitmproxy shuts down with a keep-alive client open.)
+        with OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="demo-model", messages=[{"role": "user", "content": "what is 12*7?"}],
+                extra_headers={"X-Steward-Session": f"up-test-{uuid.uuid4()}"})
+            trajectory = raw.headers["x-steward-trajectory"]
+            assert "84" in raw.parse().choices[0].message.content
+        # A wrong key is refused at the proxy.
+        with OpenAI(base_url=base_url, api_key="stw_wrong", max_retries=0) as bad:
+            with pytest.raises(AuthenticationError):
+                bad.models.list()
+
+        # Shipped, built by the Celery worker, visible over REST with the printed token.
+        deadline = time.monotonic() + 20
+        seen = None
+        with httpx.Client(base_url=console, timeout=10,
+                          headers={"Authorization": f"Bearer {token}"}) as http:
+            while time.monotonic() < deadline:
+                r = http.get("api/v1/trajectories/")
+                if r.status_code == 200 and trajectory in r.text:
+                    seen = r
+                    break
+                time.sleep(0.5)
+            assert seen is not None, (
+                f"trajectory {trajectory} not listed within 20 s; last answer "
+                f"{r.status_code} {r.text[:500]}\n{up.output[-4000:]}")
+            assert http.get("api/v1/trajectories/",
+                            headers={"Authorization": "Bearer stwt_nope"}).status_code == 401
+            login = httpx.get(f"{console}login/", timeout=10)
+            assert login.status_code == 200
+
+        run_info = json.loads((var / "run" / "up.json").read_text())
+        names = {c["name"] for c in run_info["children"]}
+        assert names == {"upstream", "web", "proxy", "shipper", "worker", "beat"}
+
+        code = up.stop()
+        assert code == 0, up.output[-4000:]
+        assert "all processes stopped" in up.output
+        assert "Traceback" not in up.output, up.output
+        time.sleep(0.5)
+        left = [c for c in run_info["children"] if _alive(c) or _group_alive(c["pid"])]
+        assert not left, f"left running: {left}"
+        assert not _port_accepts(web_port) and not _port_accepts(proxy_port)
+        assert not (var / "run" / "up.json").exists()
+        if database_url is None:
+            from config.embedded import running_pid
+
+            assert "embedded PostgreSQL stopped" in up.output
+            assert running_pid(var) is None
+    finally:
+        up.force_cleanup()
+
+
+def test_up_with_database_url(tmp_path, throwaway_database):
+    run_appliance(tmp_path, throwaway_database)
+
+
+def test_up_embedded_postgresql(tmp_path):
+    run_appliance(tmp_path, None)
+
+
+def test_up_child_death_stops_everything(tmp_path, throwaway_database):
+    """A child that dies on its own is named with its last lines; the rest is stopped and the
+    exit code is non-zero. (Here with an external upstream: no demo server is started.)"""
+    var = tmp_path / "var"
+    web_port, proxy_port, dead_port = free_port(), free_port(), free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"STEWARD_MASTER_KEY", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"}}
+    env.update(STEWARD_VAR_DIR=str(var), STEWARD_WEB_PORT=str(web_port),
+               STEWARD_PROXY_PORT=str(proxy_port), NO_COLOR="1",
+               DATABASE_URL=throwaway_database,
+               STEWARD_UPSTREAM_URL=f"http://127.0.0.1:{dead_port}/v1")
+    up = Up(env)
+    try:
+        up.wait_ready(timeout=150)
+        assert up.value("upstream") == f"http://127.0.0.1:{dead_port}"  # /v1 stripped
+        run_info = json.loads((var / "run" / "up.json").read_text())
+        assert "upstream" not in {c["name"] for c in run_info["children"]}
+        shipper = next(c for c in run_info["children"] if c["name"] == "shipper")
+        os.kill(shipper["pid"], signal.SIGKILL)
+        code = up.proc.wait(timeout=90)
+        up._reader.join(timeout=5)
+        assert code != 0
+        assert re.search(r"shipper exited unexpectedly \(killed by SIGKILL\)", up.output), up.output
+        assert "all processes stopped" in up.output
+        time.sleep(0.5)
+        left = [c for c in run_info["children"] if _alive(c) or _group_alive(c["pid"])]
+        assert not left, f"left running: {left}"
+    finally:
+        up.force_cleanup()
