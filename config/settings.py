@@ -139,11 +139,14 @@ CELERY_TASK_DEFAULT_QUEUE = "capture"
 CELERY_TASK_ROUTES = {
     "governance.tasks.build_steps": {"queue": "capture"},
     "governance.tasks.build_pending_steps": {"queue": "capture"},
+    "governance.tasks.purge_expired": {"queue": "capture"},
 }
 CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)
 CELERY_BEAT_SCHEDULE: dict = {
     # Picks up interactions whose build_steps message was lost (e.g. broker restart).
     "build-pending-steps": {"task": "governance.tasks.build_pending_steps", "schedule": 60.0},
+    # Retention: bounded batches, one audit event per batch.
+    "purge-expired": {"task": "governance.tasks.purge_expired", "schedule": 3600.0},
 }
 
 # --- Steward ----------------------------------------------------------------------------

@@ -6,8 +6,11 @@ and may narrow the scoped queryset in `scope_queryset`. So another tenant's obje
 in the queryset: its id answers 404 and lists never show it. Writes take the tenant from the
 authenticated token, never from the body.
 
-Roles: every member may read; rewards may be written by tenant admins and data stewards (an
-auditor or compliance officer only reads).
+Roles: every action needs one permission of the table in governance/permissions.py
+(`required_permission` on the class, `action_permissions` per standard action, or
+`@action(required_permission=...)`); `HasTenantPermission` refuses an action without one.
+Rules that must hold whatever the caller (four eyes) live in the services: a ServiceForbidden
+answers 403, a ServiceConflict 409, any other ServiceError 400 — always with its message.
 """
 
 from __future__ import annotations
@@ -20,20 +23,54 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, permissions, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import APIException, PermissionDenied, ValidationError
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from governance.atdp import atdp_schema, trajectory_document, trajectory_rewards
-from governance.models import Reward, Role, Trajectory
+from governance.audit import verify_chain
+from governance.models import (
+    AuditEvent,
+    Dataset,
+    DatasetVersion,
+    RetentionPolicy,
+    Reward,
+    Trajectory,
+)
+from governance.permissions import HasTenantPermission
 from governance.serializers import (
+    AuditEventSerializer,
+    AuditFilterSerializer,
+    AuditVerifySerializer,
+    DatasetPreviewSerializer,
+    DatasetSerializer,
+    DatasetVersionDetailSerializer,
+    DatasetVersionFilterSerializer,
+    DatasetVersionSerializer,
+    DecisionSerializer,
+    EffectiveRetentionSerializer,
+    RetentionPolicySerializer,
     RewardFilterSerializer,
     RewardSerializer,
     TrajectoryFilterSerializer,
     TrajectorySummarySerializer,
 )
-from governance.services import ServiceError, record_reward
+from governance.services import (
+    ServiceConflict,
+    ServiceError,
+    ServiceForbidden,
+    approve_version,
+    create_dataset,
+    delete_retention_policy,
+    freeze_dataset_version,
+    preview_dataset_count,
+    record_reward,
+    reject_version,
+    request_approval,
+    set_retention_policy,
+)
 
 
 class ApiTokenScheme(OpenApiAuthenticationExtension):
@@ -47,27 +84,34 @@ class ApiTokenScheme(OpenApiAuthenticationExtension):
                 "description": "A REST token from `manage.py create_api_token`."}
 
 
-class IsTenantMember(permissions.BasePermission):
-    """Authenticated through an API token, so `request.tenant` and `request.membership` are
-    set; writes need one of the viewset's `write_roles`."""
+class Conflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "The object is not in a state that allows this."
+    default_code = "conflict"
 
-    message = "Your role in this tenant may not do this."
 
-    def has_permission(self, request: Request, view: Any) -> bool:
-        if getattr(request, "tenant", None) is None or getattr(request, "membership", None) is None:
-            return False
-        if request.method in permissions.SAFE_METHODS:
-            return True
-        return request.membership.role in getattr(view, "write_roles", ())
+def call_service(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a service function, turning its refusals into DRF errors carrying the message."""
+    try:
+        return fn(*args, **kwargs)
+    except ServiceForbidden as exc:
+        raise PermissionDenied(str(exc)) from exc
+    except ServiceConflict as exc:
+        raise Conflict(str(exc)) from exc
+    except ServiceError as exc:
+        raise ValidationError({"non_field_errors": [str(exc)]}) from exc
 
 
 class TenantScopedViewSet(viewsets.GenericViewSet):
-    """Base of every tenant-data viewset. Declare `model`; optionally override
-    `scope_queryset(qs)` to filter, annotate or select_related. `get_queryset` is final."""
+    """Base of every tenant-data viewset. Declare `model` and the permission(s) its actions
+    need; optionally override `scope_queryset(qs)` to filter, annotate or select_related.
+    `get_queryset` is final."""
 
     model: ClassVar[type[Model]]
-    permission_classes = [permissions.IsAuthenticated, IsTenantMember]
-    write_roles: ClassVar[tuple[str, ...]] = (Role.ADMIN,)
+    permission_classes = [permissions.IsAuthenticated, HasTenantPermission]
+    # See governance/permissions.py; None: refused (fail closed).
+    required_permission: ClassVar[str | None] = None
+    action_permissions: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -116,6 +160,7 @@ class TrajectoryViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenant
     model = Trajectory
     serializer_class = TrajectorySummarySerializer
     pagination_class = StartedAtCursorPagination
+    required_permission = "read_trajectories"
     lookup_value_regex = "[0-9a-fA-F-]{32,36}"
 
     def scope_queryset(self, qs: QuerySet) -> QuerySet:
@@ -170,7 +215,8 @@ class RewardViewSet(mixins.ListModelMixin, mixins.CreateModelMixin, mixins.Retri
     model = Reward
     serializer_class = RewardSerializer
     pagination_class = CreatedAtCursorPagination
-    write_roles = (Role.ADMIN, Role.STEWARD)
+    required_permission = "read_trajectories"
+    action_permissions = {"create": "record_rewards"}
 
     def scope_queryset(self, qs: QuerySet) -> QuerySet:
         if self.action != "list":
@@ -190,16 +236,11 @@ class RewardViewSet(mixins.ListModelMixin, mixins.CreateModelMixin, mixins.Retri
 
     def perform_create(self, serializer: RewardSerializer) -> None:
         data = serializer.validated_data
-        try:
-            serializer.instance = record_reward(
-                self.request.user, self.request.tenant, value=data["value"],
-                response_id=data.get("response_id") or "",
-                trajectory_id=data.get("trajectory_id"), name=data.get("name") or "reward",
-                final=data.get("final", True), comment=data.get("comment") or "", source="api")
-        except ServiceError as exc:
-            from rest_framework.exceptions import ValidationError
-
-            raise ValidationError({"non_field_errors": [str(exc)]}) from exc
+        serializer.instance = call_service(
+            record_reward, self.request.user, self.request.tenant, value=data["value"],
+            response_id=data.get("response_id") or "",
+            trajectory_id=data.get("trajectory_id"), name=data.get("name") or "reward",
+            final=data.get("final", True), comment=data.get("comment") or "", source="api")
 
 
 class AtdpSchemaView(APIView):
@@ -212,3 +253,215 @@ class AtdpSchemaView(APIView):
         response=OpenApiTypes.OBJECT, description="JSON Schema (draft 2020-12) of ATDP v1")})
     def get(self, request: Request) -> Response:
         return Response(atdp_schema(), status=status.HTTP_200_OK)
+
+
+# --- datasets, versions, four-eyes approval -------------------------------------------------
+
+
+@extend_schema(tags=["datasets"])
+class DatasetViewSet(mixins.ListModelMixin, mixins.CreateModelMixin, mixins.RetrieveModelMixin,
+                     TenantScopedViewSet):
+    """Dataset definitions (filters over the tenant's trajectories). `preview` counts what a
+    freeze would take now; `freeze` makes a new draft version (trajectory ids, content hash,
+    review sample)."""
+
+    model = Dataset
+    serializer_class = DatasetSerializer
+    pagination_class = CreatedAtCursorPagination
+    required_permission = "read_datasets"
+    action_permissions = {"create": "manage_datasets"}
+
+    def perform_create(self, serializer: DatasetSerializer) -> None:
+        serializer.instance = call_service(create_dataset, self.request.user,
+                                           self.request.tenant, **serializer.validated_data)
+
+    @extend_schema(request=None, responses={200: DatasetPreviewSerializer})
+    @action(detail=True, methods=["get"], pagination_class=None)
+    def preview(self, request: Request, pk: Any = None) -> Response:
+        return Response({"count": preview_dataset_count(self.get_object())})
+
+    @extend_schema(request=None, responses={201: DatasetVersionSerializer})
+    @action(detail=True, methods=["post"], required_permission="manage_datasets")
+    def freeze(self, request: Request, pk: Any = None) -> Response:
+        version = call_service(freeze_dataset_version, request.user, self.get_object())
+        return Response(DatasetVersionSerializer(version).data,
+                        status=status.HTTP_201_CREATED)
+
+
+DATASET_VERSION_FILTERS = [
+    OpenApiParameter("dataset", int, description="dataset id"),
+    OpenApiParameter("status", str, enum=DatasetVersion.Status.values),
+]
+
+
+@extend_schema(tags=["datasets"])
+class DatasetVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                            TenantScopedViewSet):
+    """Frozen dataset versions. The detail carries the review sample. A steward requests
+    approval; a compliance officer who neither froze nor requested it approves or rejects it
+    with a reason (four eyes, enforced by the service)."""
+
+    model = DatasetVersion
+    serializer_class = DatasetVersionSerializer
+    pagination_class = CreatedAtCursorPagination
+    required_permission = "read_datasets"
+
+    def get_serializer_class(self) -> type:
+        if self.action == "retrieve":
+            return DatasetVersionDetailSerializer
+        return DatasetVersionSerializer
+
+    def scope_queryset(self, qs: QuerySet) -> QuerySet:
+        qs = qs.select_related("approval")
+        if self.action != "list":
+            return qs
+        params = DatasetVersionFilterSerializer(data=self.request.query_params)
+        params.is_valid(raise_exception=True)
+        f = params.validated_data
+        if "dataset" in f:
+            qs = qs.filter(dataset_id=f["dataset"])
+        if "status" in f:
+            qs = qs.filter(status=f["status"])
+        return qs
+
+    @extend_schema(parameters=DATASET_VERSION_FILTERS)
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().list(request, *args, **kwargs)
+
+    def _respond(self, version: DatasetVersion) -> Response:
+        version.refresh_from_db()
+        return Response(DatasetVersionSerializer(version).data)
+
+    @extend_schema(request=None, responses={200: DatasetVersionSerializer})
+    @action(detail=True, methods=["post"], url_path="request-approval",
+            required_permission="request_approval")
+    def request_approval(self, request: Request, pk: Any = None) -> Response:
+        return self._respond(call_service(request_approval, request.user, self.get_object()))
+
+    @extend_schema(request=DecisionSerializer, responses={200: DatasetVersionSerializer})
+    @action(detail=True, methods=["post"], required_permission="approve")
+    def approve(self, request: Request, pk: Any = None) -> Response:
+        body = DecisionSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        version = self.get_object()
+        call_service(approve_version, request.user, version, body.validated_data["reason"])
+        return self._respond(version)
+
+    @extend_schema(request=DecisionSerializer, responses={200: DatasetVersionSerializer})
+    @action(detail=True, methods=["post"], required_permission="approve")
+    def reject(self, request: Request, pk: Any = None) -> Response:
+        body = DecisionSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        version = self.get_object()
+        call_service(reject_version, request.user, version, body.validated_data["reason"])
+        return self._respond(version)
+
+
+# --- retention ------------------------------------------------------------------------------
+
+
+@extend_schema(tags=["retention"])
+class RetentionPolicyViewSet(mixins.ListModelMixin, mixins.CreateModelMixin,
+                             mixins.RetrieveModelMixin, mixins.UpdateModelMixin,
+                             mixins.DestroyModelMixin, TenantScopedViewSet):
+    """Retention per data classification ('*': the rest). `effective` shows what applies to
+    each classification, defaults included. Audit retention is reported, never purged."""
+
+    model = RetentionPolicy
+    serializer_class = RetentionPolicySerializer
+    pagination_class = None
+    required_permission = "manage_retention"
+    action_permissions = {"list": "read_retention", "retrieve": "read_retention",
+                          "effective": "read_retention"}
+
+    def scope_queryset(self, qs: QuerySet) -> QuerySet:
+        return qs.order_by("classification")
+
+    def perform_create(self, serializer: RetentionPolicySerializer) -> None:
+        data = dict(serializer.validated_data)
+        classification = data.pop("classification")
+        if RetentionPolicy.objects.for_tenant(self.request.tenant).filter(
+                classification=classification).exists():
+            raise Conflict(f"a policy for {classification!r} exists; update it instead")
+        serializer.instance = call_service(set_retention_policy, self.request.user,
+                                           self.request.tenant, classification, **data)
+
+    def perform_update(self, serializer: RetentionPolicySerializer) -> None:
+        current = serializer.instance
+        data = {f: serializer.validated_data.get(f, getattr(current, f))
+                for f in ("steps_days", "raw_days", "findings_days", "audit_days")}
+        serializer.instance = call_service(set_retention_policy, self.request.user,
+                                           self.request.tenant, current.classification, **data)
+
+    def perform_destroy(self, instance: RetentionPolicy) -> None:
+        call_service(delete_retention_policy, self.request.user, instance)
+
+    @extend_schema(responses={200: EffectiveRetentionSerializer(many=True)})
+    @action(detail=False, methods=["get"])
+    def effective(self, request: Request) -> Response:
+        from dataclasses import asdict
+
+        from governance.retention import effective_policies
+
+        rows = [asdict(p) for p in effective_policies(request.tenant).values()]
+        return Response(EffectiveRetentionSerializer(rows, many=True).data)
+
+
+# --- audit ----------------------------------------------------------------------------------
+
+
+class SeqCursorPagination(CursorPagination):
+    ordering = ("-seq",)
+    page_size_query_param = "page_size"
+    max_page_size = 500
+
+
+AUDIT_FILTERS = [
+    OpenApiParameter("action", str, description="exact action, or a prefix ending in '.'"),
+    OpenApiParameter("actor", str, description="e.g. user:12, system:retention"),
+    OpenApiParameter("object_type", str),
+    OpenApiParameter("object_id", str),
+    OpenApiParameter("since", OpenApiTypes.DATETIME),
+    OpenApiParameter("until", OpenApiTypes.DATETIME),
+]
+
+
+@extend_schema(tags=["audit"])
+class AuditEventViewSet(mixins.ListModelMixin, TenantScopedViewSet):
+    """The tenant's audit events, newest first (cursor-paginated). `verify` walks the whole
+    hash chain (all tenants: one chain) and reports the first bad sequence number."""
+
+    model = AuditEvent
+    serializer_class = AuditEventSerializer
+    pagination_class = SeqCursorPagination
+    required_permission = "read_audit"
+
+    def scope_queryset(self, qs: QuerySet) -> QuerySet:
+        if self.action != "list":
+            return qs
+        params = AuditFilterSerializer(data=self.request.query_params)
+        params.is_valid(raise_exception=True)
+        f = params.validated_data
+        if "action" in f:
+            qs = (qs.filter(action__startswith=f["action"]) if f["action"].endswith(".")
+                  else qs.filter(action=f["action"]))
+        for field in ("actor", "object_type", "object_id"):
+            if field in f:
+                qs = qs.filter(**{field: f[field]})
+        if "since" in f:
+            qs = qs.filter(created_at__gte=f["since"])
+        if "until" in f:
+            qs = qs.filter(created_at__lt=f["until"])
+        return qs
+
+    @extend_schema(parameters=AUDIT_FILTERS)
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(responses={200: AuditVerifySerializer})
+    @action(detail=False, methods=["get"], pagination_class=None,
+            required_permission="verify_audit")
+    def verify(self, request: Request) -> Response:
+        ok, bad_seq, reason = verify_chain()
+        return Response({"ok": ok, "events": AuditEvent.objects.count(),
+                         "first_bad_seq": bad_seq, "reason": reason})

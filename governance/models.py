@@ -291,3 +291,152 @@ class AuditEvent(models.Model):
 
     class Meta:
         ordering = ["seq"]
+
+
+# Data classifications from least to most restrictive (a step's `classification`); an unknown
+# label counts as the most restrictive (governance/atdp.py ranks them the same way).
+class Classification(models.TextChoices):
+    PUBLIC = "public", "Public"
+    INTERNAL = "internal", "Internal"
+    CONFIDENTIAL = "confidential", "Confidential"
+    RESTRICTED = "restricted", "Restricted"
+
+
+class Dataset(models.Model):
+    """A steward's definition of training data: a filter over the tenant's trajectories.
+    Freezing it (governance/datasets.py) makes an immutable DatasetVersion; the filter fields
+    are copied onto the version, so editing the definition never changes a frozen version."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="datasets")
+    name = models.CharField(max_length=200)
+    description = models.TextField(blank=True, default="")
+    # Agent ids of this tenant (a JSON list of ints); empty: every agent.
+    agent_ids = models.JSONField(default=list, blank=True)
+    since = models.DateTimeField(null=True, blank=True)  # trajectory started at or after
+    until = models.DateTimeField(null=True, blank=True)  # trajectory started before
+    # Latest final reward named `reward_name` (by trajectory id or a step's response id) must
+    # lie in [reward_min, reward_max]; a trajectory without that reward is left out.
+    reward_name = models.CharField(max_length=64, blank=True, default="")
+    reward_min = models.FloatField(null=True, blank=True)
+    reward_max = models.FloatField(null=True, blank=True)
+    # The most restrictive classification a member's steps may carry.
+    classification = models.CharField(max_length=32, choices=Classification.choices,
+                                      default=Classification.INTERNAL)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="dataset_tenant_name"),
+        ]
+
+
+class DatasetVersion(models.Model):
+    """A frozen selection of trajectories: members (DatasetVersionMember), a content hash over
+    them, a review sample and the approval state. Approval covers exactly this version; erasure
+    or retention of any member invalidates it."""
+
+    class Status(models.TextChoices):
+        DRAFT = "draft", "Draft"
+        PENDING_APPROVAL = "pending_approval", "Pending approval"
+        APPROVED = "approved", "Approved"
+        REJECTED = "rejected", "Rejected"
+        INVALIDATED = "invalidated", "Invalidated"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="dataset_versions")
+    dataset = models.ForeignKey(Dataset, on_delete=models.PROTECT, related_name="versions")
+    number = models.PositiveIntegerField()
+    filter = models.JSONField(default=dict)  # the dataset's filter as it was when frozen
+    content_hash = models.CharField(max_length=64)
+    size = models.PositiveIntegerField(default=0)  # trajectories
+    step_count = models.PositiveIntegerField(default=0)
+    # Trajectory ids (strings) picked for the reviewer, deterministically from the hash.
+    sample_ids = models.JSONField(default=list, blank=True)
+    status = models.CharField(max_length=24, choices=Status.choices, default=Status.DRAFT,
+                              db_index=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                     on_delete=models.SET_NULL, related_name="+")
+    requested_at = models.DateTimeField(null=True, blank=True)
+    invalidated_at = models.DateTimeField(null=True, blank=True)
+    invalidated_reason = models.CharField(max_length=500, blank=True, default="")
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["dataset", "number"],
+                                    name="datasetversion_dataset_number"),
+        ]
+
+
+class DatasetVersionMember(models.Model):
+    """One trajectory of a frozen version. A table (not an array) so erasure finds the versions
+    holding a trajectory with one indexed join, at 1e5+ members per version."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    version = models.ForeignKey(DatasetVersion, on_delete=models.CASCADE,
+                                related_name="members")
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
+                                   related_name="dataset_memberships")
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["version", "trajectory"],
+                                    name="dvmember_version_trajectory"),
+        ]
+
+
+class Approval(models.Model):
+    """A compliance officer's decision on one dataset version (four eyes: never the person who
+    froze it or requested approval — enforced in governance/services.py)."""
+
+    class Decision(models.TextChoices):
+        APPROVE = "approve", "Approved"
+        REJECT = "reject", "Rejected"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="approvals")
+    version = models.OneToOneField(DatasetVersion, on_delete=models.PROTECT,
+                                   related_name="approval")
+    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    decision = models.CharField(max_length=8, choices=Decision.choices)
+    reason = models.TextField()
+    decided_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+
+class RetentionPolicy(models.Model):
+    """How long a tenant keeps data of one classification ("*": every classification without a
+    policy of its own). Without any policy the defaults of governance/retention.py apply.
+    Audit retention is recorded and reported but audit rows are never purged: deleting the
+    chain's head would break verification, and its payloads hold pseudonymous ids only."""
+
+    ANY = "*"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
+                               related_name="retention_policies")
+    classification = models.CharField(max_length=32)
+    steps_days = models.PositiveIntegerField()
+    raw_days = models.PositiveIntegerField()
+    findings_days = models.PositiveIntegerField()
+    audit_days = models.PositiveIntegerField()
+    updated_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "classification"],
+                                    name="retention_tenant_classification"),
+        ]

@@ -3,17 +3,41 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.db import transaction
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from governance.audit import record_event
 from governance.crypto import new_token, token_hash
-from governance.models import Agent, ApiToken, Membership, ProxyKey, Role, Tenant
+from governance.datasets import (
+    SAMPLE_SIZE,
+    eligible_trajectories,
+    filter_of,
+    version_content_hash,
+)
+from governance.models import (
+    Agent,
+    ApiToken,
+    Approval,
+    Classification,
+    Dataset,
+    DatasetVersion,
+    DatasetVersionMember,
+    Membership,
+    ProxyKey,
+    RetentionPolicy,
+    Role,
+    Tenant,
+)
+from governance.permissions import member_can
 
 PROXY_KEY_PREFIX = "stw_"
 API_TOKEN_PREFIX = "stwt_"
@@ -146,3 +170,290 @@ def record_reward(actor: Any, tenant: Tenant, *, value: float, response_id: str 
                           "response_id": response_id or None, "name": name, "value": value,
                           "final": final, "source": source})
     return reward
+
+
+# --- errors with an HTTP meaning ------------------------------------------------------------
+
+
+class ServiceForbidden(ServiceError):
+    """The actor may not do this (four eyes, wrong role): REST answers 403."""
+
+
+class ServiceConflict(ServiceError):
+    """The object is not in a state that allows this: REST answers 409."""
+
+
+def _user(actor: Any) -> Any:
+    return actor if hasattr(actor, "pk") else None
+
+
+def _reason_digest(reason: str) -> str:
+    """Free text stays out of the audit chain (it may name people, and the chain is never
+    rewritten); its SHA-256 ties the stored row to the event."""
+    return hashlib.sha256(reason.encode()).hexdigest()
+
+
+# --- append-only rewards: the one way to delete them ---------------------------------------
+
+
+@contextmanager
+def purge_allowed() -> Iterator[None]:
+    """Inside the current transaction, let DELETE through the append-only trigger of
+    governance_reward (erasure and retention only). The setting is transaction-local
+    (set_config(..., true)) and switched off again on exit, so it never outlives the purge."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("purge_allowed() must run inside a transaction")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('steward.allow_purge', 'on', true)")
+    try:
+        yield
+    finally:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT set_config('steward.allow_purge', 'off', true)")
+        except DatabaseError:  # the transaction failed: its rollback drops the setting
+            pass
+
+
+# --- datasets and four-eyes approval ------------------------------------------------------
+
+
+def _validate_dataset_filter(tenant: Tenant, agent_ids: list[int], since: Any, until: Any,
+                             reward_name: str, reward_min: float | None,
+                             reward_max: float | None, classification: str) -> list[int]:
+
+
+    ids = sorted({int(a) for a in agent_ids or []})
+    if ids:
+        known = set(Agent.objects.for_tenant(tenant).filter(pk__in=ids)
+                    .values_list("pk", flat=True))
+        unknown = [a for a in ids if a not in known]
+        if unknown:
+            raise ServiceError(f"unknown agent id(s): {', '.join(map(str, unknown))}")
+    if since and until and since >= until:
+        raise ServiceError("until must be after since")
+    for bound in (reward_min, reward_max):
+        if bound is not None and not math.isfinite(bound):
+            raise ServiceError("reward bounds must be finite numbers")
+    if (reward_min is not None or reward_max is not None) and not reward_name:
+        raise ServiceError("reward_min/reward_max need reward_name")
+    if reward_min is not None and reward_max is not None and reward_min > reward_max:
+        raise ServiceError("reward_min must not exceed reward_max")
+    if classification not in Classification.values:
+        raise ServiceError(f"classification must be one of {', '.join(Classification.values)}")
+    return ids
+
+
+@transaction.atomic
+def create_dataset(actor: Any, tenant: Tenant, *, name: str, description: str = "",
+                   agent_ids: list[int] | None = None, since: Any = None, until: Any = None,
+                   reward_name: str = "", reward_min: float | None = None,
+                   reward_max: float | None = None, classification: str = "internal") -> Any:
+
+    name = (name or "").strip()
+    if not name:
+        raise ServiceError("name is required")
+    ids = _validate_dataset_filter(tenant, agent_ids or [], since, until, reward_name,
+                                   reward_min, reward_max, classification)
+    if Dataset.objects.for_tenant(tenant).filter(name=name).exists():
+        raise ServiceConflict(f"a dataset named {name!r} exists already")
+    dataset = Dataset.objects.create(
+        tenant=tenant, name=name, description=description, agent_ids=ids, since=since,
+        until=until, reward_name=reward_name, reward_min=reward_min, reward_max=reward_max,
+        classification=classification, created_by=_user(actor))
+    record_event(actor, "dataset.created", tenant=tenant, object_type="dataset",
+                 object_id=dataset.pk, payload={"name": name, "filter": filter_of(dataset)})
+    return dataset
+
+
+def preview_dataset_count(dataset: Any) -> int:
+    """How many trajectories a freeze would take now (one COUNT; nothing written). Works on
+    an unsaved Dataset too, to preview a filter before creating it."""
+    return eligible_trajectories(dataset).count()
+
+
+@transaction.atomic
+def freeze_dataset_version(actor: Any, dataset: Any) -> Any:
+    """Freeze the dataset's current selection into a new draft DatasetVersion: members
+    (INSERT ... SELECT, no round trip per trajectory), content hash, review sample."""
+
+
+    # The row lock serialises version numbers of one dataset.
+    dataset = Dataset.objects.select_for_update().get(pk=dataset.pk)
+    last = dataset.versions.order_by("-number").values_list("number", flat=True).first()
+    version = DatasetVersion.objects.create(
+        tenant_id=dataset.tenant_id, dataset=dataset, number=(last or 0) + 1,
+        filter=filter_of(dataset), content_hash="", created_by=_user(actor))
+    sql, params = eligible_trajectories(dataset).values("pk").query.sql_with_params()
+    table = DatasetVersionMember._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (tenant_id, version_id, trajectory_id) "  # noqa: S608
+            f"SELECT %s, %s, e.pk FROM ({sql}) AS e",
+            [dataset.tenant_id, version.pk, *params])
+        size = cursor.rowcount
+    if size == 0:
+        raise ServiceError("no eligible trajectories: nothing to freeze (only sanitized, "
+                           "consented, non-quarantined trajectories matching the filter "
+                           "qualify)")
+    version.content_hash, version.step_count = version_content_hash(version)
+    version.size = size
+    with connection.cursor() as cursor:
+        # Deterministic, cheap sample: the members with the smallest md5(hash || id).
+        cursor.execute(
+            f"SELECT trajectory_id::text FROM {table} WHERE version_id = %s "  # noqa: S608
+            f"ORDER BY md5(%s || trajectory_id::text) LIMIT %s",
+            [version.pk, version.content_hash, SAMPLE_SIZE])
+        version.sample_ids = sorted(row[0] for row in cursor.fetchall())
+    version.save(update_fields=["content_hash", "step_count", "size", "sample_ids"])
+    record_event(actor, "dataset_version.frozen", tenant=dataset.tenant_id,
+                 object_type="dataset_version", object_id=version.pk,
+                 payload={"dataset": dataset.pk, "number": version.number, "size": size,
+                          "steps": version.step_count, "content_hash": version.content_hash})
+    return version
+
+
+def _locked_version(version: Any) -> Any:
+
+    return DatasetVersion.objects.select_for_update().get(pk=version.pk)
+
+
+@transaction.atomic
+def request_approval(actor: Any, version: Any) -> Any:
+
+    if _user(actor) is None:
+        raise ServiceForbidden("approval is requested by a person")
+    version = _locked_version(version)
+    if version.status != DatasetVersion.Status.DRAFT:
+        raise ServiceConflict(f"version is {version.status}; only a draft can be submitted")
+    version.status = DatasetVersion.Status.PENDING_APPROVAL
+    version.requested_by = actor
+    version.requested_at = timezone.now()
+    version.save(update_fields=["status", "requested_by", "requested_at"])
+    record_event(actor, "dataset_version.approval_requested", tenant=version.tenant_id,
+                 object_type="dataset_version", object_id=version.pk,
+                 payload={"dataset": version.dataset_id, "number": version.number,
+                          "content_hash": version.content_hash})
+    return version
+
+
+def _decide(actor: Any, version: Any, reason: str, decision: str) -> Any:
+
+    user = _user(actor)
+    if user is None:
+        raise ServiceForbidden("a decision is made by a person")
+    version = _locked_version(version)
+    membership = Membership.objects.filter(user=user, tenant_id=version.tenant_id).first()
+    if not member_can(membership, "approve"):
+        raise ServiceForbidden("only a compliance officer of this tenant may approve or reject "
+                               "a dataset version")
+    # Four eyes: whoever froze the version or asked for its approval never decides on it.
+    if user.pk in (version.created_by_id, version.requested_by_id):
+        raise ServiceForbidden("four eyes: you froze or requested this version, so another "
+                               "compliance officer must decide on it")
+    if version.status != DatasetVersion.Status.PENDING_APPROVAL:
+        raise ServiceConflict(f"version is {version.status}; only a version pending approval "
+                              "can be decided")
+    reason = (reason or "").strip()
+    if not reason:
+        raise ServiceError("a reason is required")
+    if decision == Approval.Decision.APPROVE:
+        # Approval covers exactly the frozen content: refuse if it drifted since.
+        current, _ = version_content_hash(version)
+        if current != version.content_hash:
+            raise ServiceConflict("the version's content changed since it was frozen; "
+                                  "freeze a new version")
+    approval = Approval.objects.create(tenant_id=version.tenant_id, version=version,
+                                       decided_by=user, decision=decision, reason=reason)
+    version.status = (DatasetVersion.Status.APPROVED if decision == Approval.Decision.APPROVE
+                      else DatasetVersion.Status.REJECTED)
+    version.save(update_fields=["status"])
+    record_event(actor, f"dataset_version.{version.status}", tenant=version.tenant_id,
+                 object_type="dataset_version", object_id=version.pk,
+                 payload={"dataset": version.dataset_id, "number": version.number,
+                          "approval": approval.pk, "content_hash": version.content_hash,
+                          "reason_sha256": _reason_digest(reason)})
+    return approval
+
+
+@transaction.atomic
+def approve_version(actor: Any, version: Any, reason: str) -> Any:
+    """Approve a version pending approval (compliance officer, not its freezer/requester)."""
+    return _decide(actor, version, reason, "approve")
+
+
+@transaction.atomic
+def reject_version(actor: Any, version: Any, reason: str) -> Any:
+    return _decide(actor, version, reason, "reject")
+
+
+@transaction.atomic
+def invalidate_versions_containing(actor: Any, tenant: Tenant | int, trajectory_ids: Any,
+                                   reason: str) -> list[int]:
+    """Invalidate every draft, pending or approved version of `tenant` holding any of these
+    trajectories (erasure, retention): an approval covers exactly its content, so once a
+    member is gone it no longer holds. Returns the invalidated version ids."""
+    tenant_id = tenant if isinstance(tenant, int) else tenant.pk
+    live = [DatasetVersion.Status.DRAFT, DatasetVersion.Status.PENDING_APPROVAL,
+            DatasetVersion.Status.APPROVED]
+    holding = (DatasetVersionMember.objects.for_tenant(tenant_id)
+               .filter(trajectory_id__in=list(trajectory_ids)).values("version_id"))
+    versions = list(DatasetVersion.objects.for_tenant(tenant_id)
+                    .filter(pk__in=holding, status__in=live)
+                    .select_for_update().order_by("pk"))
+    now = timezone.now()
+    for version in versions:
+        before = version.status
+        version.status = DatasetVersion.Status.INVALIDATED
+        version.invalidated_at = now
+        version.invalidated_reason = reason[:500]
+        version.save(update_fields=["status", "invalidated_at", "invalidated_reason"])
+        record_event(actor, "dataset_version.invalidated", tenant=tenant_id,
+                     object_type="dataset_version", object_id=version.pk,
+                     payload={"dataset": version.dataset_id, "number": version.number,
+                              "was": before, "reason": reason[:500]})
+    return [v.pk for v in versions]
+
+
+# --- retention policies --------------------------------------------------------------------
+
+
+@transaction.atomic
+def set_retention_policy(actor: Any, tenant: Tenant, classification: str, *, steps_days: int,
+                         raw_days: int, findings_days: int, audit_days: int) -> Any:
+    """Create or replace the tenant's policy for one classification ("*": the rest)."""
+    if classification != RetentionPolicy.ANY and classification not in Classification.values:
+        raise ServiceError("classification must be '*' or one of "
+                           f"{', '.join(Classification.values)}")
+    days = {"steps_days": steps_days, "raw_days": raw_days, "findings_days": findings_days,
+            "audit_days": audit_days}
+    for field, value in days.items():
+        if not isinstance(value, int) or value < (0 if field == "raw_days" else 1):
+            raise ServiceError(f"{field} must be a whole number of days "
+                               f"({'0' if field == 'raw_days' else '1'} or more)")
+    if raw_days > steps_days:
+        raise ServiceError("raw_days must not exceed steps_days (a raw payload never "
+                           "outlives its step)")
+    if audit_days < max(steps_days, raw_days, findings_days):
+        raise ServiceError("audit_days must be at least as long as every other retention "
+                           "(the audit log outlives the data it describes)")
+    policy, created = RetentionPolicy.objects.select_for_update().get_or_create(
+        tenant=tenant, classification=classification,
+        defaults={**days, "updated_by": _user(actor)})
+    if not created:
+        for field, value in days.items():
+            setattr(policy, field, value)
+        policy.updated_by = _user(actor)
+        policy.save()
+    record_event(actor, "retention_policy.created" if created else "retention_policy.updated",
+                 tenant=tenant, object_type="retention_policy", object_id=policy.pk,
+                 payload={"classification": classification, **days})
+    return policy
+
+
+@transaction.atomic
+def delete_retention_policy(actor: Any, policy: Any) -> None:
+    record_event(actor, "retention_policy.deleted", tenant=policy.tenant_id,
+                 object_type="retention_policy", object_id=policy.pk,
+                 payload={"classification": policy.classification})
+    policy.delete()

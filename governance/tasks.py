@@ -134,3 +134,14 @@ def build_pending_steps() -> int:
         log.warning("capture: re-queued %d interactions still captured after %s", len(ids),
                     PENDING_AFTER)
     return len(ids)
+
+
+@shared_task(name="governance.tasks.purge_expired")
+def purge_expired(tenant_id: int | None = None) -> dict[str, dict[str, int]]:
+    """Retention (Celery beat): purge expired data of every tenant, or of one, in bounded
+    batches within a time budget; each batch audited. See governance/retention.py."""
+    from governance.retention import purge_expired as purge
+
+    results = purge(tenant_id)
+    # Celery serialises results as JSON: string keys.
+    return {str(k): v for k, v in results.items()}

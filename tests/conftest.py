@@ -16,6 +16,12 @@ os.environ.setdefault("STEWARD_MASTER_KEY", base64.b64encode(os.urandom(32)).dec
 pytest_plugins = ["tests.live"]
 
 
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    """Password hashing is deliberately slow; tests don't need that."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture
 def tenant(db):
     from governance.services import create_tenant
@@ -56,3 +62,17 @@ def api_client_for():
         return client
 
     return make
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """The audit log and rewards refuse TRUNCATE (migration 0003) unless the database sets
+    `steward.allow_truncate`; only the test database does, so Django can flush it between
+    transactional tests."""
+    from django.db import connection
+
+    with django_db_blocker.unblock():
+        name = connection.settings_dict["NAME"]
+        with connection.cursor() as cursor:
+            cursor.execute(f'ALTER DATABASE "{name}" SET steward.allow_truncate = \'on\'')
+        connection.close()  # new connections pick the setting up

@@ -1,0 +1,164 @@
+"""Dataset selection: which trajectories a dataset's filter admits, the content hash of a frozen
+version and its review sample. Pure queries — the mutations (freeze, approve, ...) are in
+governance/services.py.
+
+A trajectory is eligible for training data only if ALL hold:
+- it has at least one step, and every step is sanitized and `training_eligible`, with consent
+  `train` and a classification no more restrictive than the dataset's;
+- the trajectory's consent is `train` (never `X-Steward-Consent: no-train`);
+- none of its interactions is quarantined (or still waiting to be built);
+- it matches the filter: agents, time range (started_at), reward bounds.
+Erased trajectories have no steps left, so they never qualify. (The suppression list of the
+erasure work plugs in at `eligible_trajectories`.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable
+from typing import Any
+
+from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
+
+from governance.atdp import CLASSIFICATION_ORDER
+from governance.models import (
+    Consent,
+    Dataset,
+    DatasetVersion,
+    DatasetVersionMember,
+    Interaction,
+    Reward,
+    Step,
+    Trajectory,
+)
+
+SAMPLE_SIZE = 20
+HASH_CHUNK = 5000
+
+
+def allowed_classifications(most_restrictive: str) -> list[str]:
+    rank = CLASSIFICATION_ORDER.index(most_restrictive)
+    return list(CLASSIFICATION_ORDER[:rank + 1])
+
+
+def filter_of(dataset: Dataset) -> dict[str, Any]:
+    """The dataset's filter as JSON (copied onto each frozen version)."""
+    return {
+        "agent_ids": sorted(int(a) for a in dataset.agent_ids or []),
+        "since": dataset.since.isoformat() if dataset.since else None,
+        "until": dataset.until.isoformat() if dataset.until else None,
+        "reward_name": dataset.reward_name or None,
+        "reward_min": dataset.reward_min,
+        "reward_max": dataset.reward_max,
+        "classification": dataset.classification,
+    }
+
+
+def latest_reward_value(tenant_id: int, name: str) -> Subquery:
+    """The latest final reward `name` of the outer trajectory: by its id or by the upstream
+    response id of any of its steps (the same join as the ATDP document)."""
+    step_response_ids = Step.objects.filter(
+        trajectory_id=OuterRef(OuterRef("pk")), response_id__gt="").values("response_id")
+    return Subquery(
+        Reward.objects.filter(tenant_id=tenant_id, name=name, final=True)
+        .filter(Q(trajectory_id=OuterRef("pk")) | Q(response_id__in=step_response_ids))
+        .order_by("-created_at", "-id").values("value")[:1]
+    )
+
+
+def eligible_trajectories(dataset: Dataset) -> QuerySet:
+    """The trajectories a freeze of `dataset` would take now (unordered)."""
+    tenant_id = dataset.tenant_id
+    allowed = allowed_classifications(dataset.classification)
+    steps = Step.objects.filter(trajectory_id=OuterRef("pk"))
+    bad_step = steps.filter(
+        ~Q(training_eligible=True) | Q(sanitizer_version="") | ~Q(consent=Consent.TRAIN)
+        | ~Q(classification__in=allowed))
+    not_built = Interaction.objects.filter(trajectory_id=OuterRef("pk")).exclude(
+        state=Interaction.State.PROCESSED)
+    qs = (Trajectory.objects.for_tenant(tenant_id)
+          .filter(consent=Consent.TRAIN)
+          .filter(Exists(steps))
+          .exclude(Exists(bad_step))
+          .exclude(Exists(not_built)))
+    if dataset.agent_ids:
+        qs = qs.filter(agent_id__in=[int(a) for a in dataset.agent_ids])
+    if dataset.since:
+        qs = qs.filter(started_at__gte=dataset.since)
+    if dataset.until:
+        qs = qs.filter(started_at__lt=dataset.until)
+    if dataset.reward_name and (dataset.reward_min is not None
+                                or dataset.reward_max is not None):
+        qs = qs.annotate(_reward=latest_reward_value(tenant_id, dataset.reward_name))
+        qs = qs.filter(_reward__isnull=False)
+        if dataset.reward_min is not None:
+            qs = qs.filter(_reward__gte=dataset.reward_min)
+        if dataset.reward_max is not None:
+            qs = qs.filter(_reward__lte=dataset.reward_max)
+    return qs
+
+
+def _ordered_hash(trajectory_ids: Iterable[str],
+                  steps: Iterable[tuple[str, str, str]]) -> str:
+    h = hashlib.sha256(b"steward-dataset-v1\n")
+    for tid in trajectory_ids:
+        h.update(f"t:{tid}\n".encode())
+    for tid, sid, sanitizer in steps:
+        h.update(f"s:{tid}:{sid}:{sanitizer}\n".encode())
+    return h.hexdigest()
+
+
+def content_hash(trajectory_ids: Iterable[Any], steps: Iterable[tuple[Any, Any, str]]) -> str:
+    """SHA-256 over the sorted trajectory ids, then every (trajectory id, step id, sanitizer
+    version) sorted by trajectory id and step id (ids as canonical lowercase strings). Anyone
+    holding the member list and the steps recomputes it (the trainer does, before it trains)."""
+    return _ordered_hash(sorted(str(t) for t in trajectory_ids),
+                         sorted((str(t), str(s), v) for t, s, v in steps))
+
+
+def member_steps(version: DatasetVersion) -> Iterable[tuple[str, str, str]]:
+    """(trajectory id, step id, sanitizer version) of the members' steps, in hash order,
+    streamed (a version may hold 1e5 trajectories and 1e6 steps).
+
+    A version pins its members' steps as of its creation (`created_at`): a session that goes
+    on after the freeze adds steps that are not part of the version. A step committed in the
+    instant of the freeze may show up in a later recomputation; the hash then differs and the
+    version is refused for training — failing safe, never training on unhashed content."""
+    member_ids = DatasetVersionMember.objects.filter(version=version).values("trajectory_id")
+    rows = (Step.objects.filter(trajectory_id__in=member_ids,
+                                created_at__lte=version.created_at)
+            .order_by("trajectory_id", "id")
+            .values_list("trajectory_id", "id", "sanitizer_version")
+            .iterator(chunk_size=HASH_CHUNK))
+    return ((str(t), str(s), v) for t, s, v in rows)
+
+
+def member_ids(version: DatasetVersion) -> Iterable[str]:
+    """The members' trajectory ids in hash order, streamed."""
+    ids = (DatasetVersionMember.objects.filter(version=version).order_by("trajectory_id")
+           .values_list("trajectory_id", flat=True).iterator(chunk_size=HASH_CHUNK))
+    return (str(t) for t in ids)
+
+
+def version_content_hash(version: DatasetVersion) -> tuple[str, int]:
+    """(content hash, step count) of a version's members as they are now. Streams: PostgreSQL
+    orders uuids byte-wise, which is the order of their canonical lowercase strings, so the
+    database's order is the hash's order and nothing is sorted in memory."""
+    count = 0
+
+    def counted(rows: Iterable[tuple[str, str, str]]) -> Iterable[tuple[str, str, str]]:
+        nonlocal count
+        for row in rows:
+            count += 1
+            yield row
+
+    return _ordered_hash(member_ids(version), counted(member_steps(version))), count
+
+
+def review_sample(trajectory_ids: list[str], seed: str, k: int = SAMPLE_SIZE) -> list[str]:
+    """A deterministic sample (seeded by the content hash) for the reviewer."""
+    ids = sorted(trajectory_ids)
+    if len(ids) <= k:
+        return ids
+    return sorted(random.Random(seed).sample(ids, k))
