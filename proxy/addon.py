@@ -1,0 +1,505 @@
+"""Steward's mitmproxy addon: `mitmdump --mode reverse:<upstream> -s proxy/addon.py`.
+
+What it does per request (hooks never block: no database, disk or network calls here — the key
+table is refreshed by a thread, the spool is written by a thread):
+
+- Every path requires `Authorization: Bearer stw_...`, a Steward proxy key that is known and not
+  revoked; otherwise 401 in OpenAI's error shape and nothing is forwarded. This includes
+  `/v1/models` (agents list models with their key, as with any provider) and paths outside the
+  captured endpoints: the upstream's native endpoints (e.g. SGLang's `/generate` or
+  `/update_weights_from_disk`) must never be an open relay through the appliance.
+- The agent's key is replaced by `Bearer $STEWARD_UPSTREAM_API_KEY` (removed when unset), and
+  `X-Steward-*` headers are stripped before forwarding.
+- Captured (spooled) are only `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`.
+  Anything else authenticated (`/v1/models`, `/v1/embeddings`, `/health`, ...) passes through
+  uncaptured. On captured paths `Accept-Encoding` is forced to `identity` so the spooled body
+  (and an SSE stream) is plain bytes; the recorded request headers are those the agent sent.
+- Content-Length over STEWARD_MAX_REQUEST_BYTES -> 413; spool over STEWARD_SPOOL_MAX_BYTES ->
+  503 (STEWARD_SPOOL_FULL_POLICY=reject, the default) or forwarded uncaptured (passthrough).
+- The trajectory and step ids are chosen before forwarding (proxy/inference.py) and returned in
+  `X-Steward-Trajectory` / `X-Steward-Step`.
+- SSE responses are streamed to the agent as they arrive (a tee that keeps a reference to each
+  chunk, no re-chunking); other responses are forwarded as mitmproxy does.
+- When the exchange ends (`response` or `error`), one spool record (contract in proxy/spool.py's
+  reader and the shipper) is built and the inference index learns the exchange. That work
+  runs in a `call_soon` callback, i.e. after mitmproxy has written the response to the agent;
+  records reach the spool writer thread in bursts every 20 ms (one wake-up and fsync per burst).
+- Upstream unreachable -> 502, no response headers within STEWARD_UPSTREAM_TIMEOUT -> 504, both
+  as OpenAI error JSON (mechanism in proxy/errors.py), and a failed step is spooled.
+
+Configuration is read from the environment when the script loads (see `Settings`). A proxy that
+cannot load its configuration (no master key, unwritable spool) answers 503 to everything and
+asks mitmproxy to shut down, rather than forwarding uncaptured traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+# mitmdump imports this file as a script; make the repository root importable when the launcher
+# did not put it on PYTHONPATH.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import orjson  # noqa: E402
+from mitmproxy import ctx, http  # noqa: E402
+
+from governance.crypto import load_master_key  # noqa: E402  (Django-free)
+from proxy import errors  # noqa: E402
+from proxy.inference import (  # noqa: E402
+    Decision,
+    TrajectoryIndex,
+    chat_answer,
+    decide,
+    prefix_hashes,
+    response_id,
+)
+from proxy.keys import KeyInfo, KeyTable  # noqa: E402
+from proxy.spool import SpoolWriter  # noqa: E402
+
+log = logging.getLogger("steward.proxy")
+
+CAPTURED = {
+    "/v1/chat/completions": "chat.completions",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
+MAX_SESSION_LENGTH = 256  # Trajectory.session_id
+# Records are handed to the spool writer in bursts at most this old (see Steward._hand_off).
+HANDOFF_SECONDS = 0.02
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name, "").strip()
+    return float(value) if value else default
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else default
+
+
+class Settings:
+    """The proxy's configuration (from the environment; names in DESIGN.md)."""
+
+    # Plain classes, not dataclasses: mitmdump executes this file outside sys.modules, which
+    # dataclasses cannot handle under `from __future__ import annotations`.
+    def __init__(self, **values: Any) -> None:
+        self.spool_dir: Path = values["spool_dir"]
+        self.spool_max_bytes: int = values["spool_max_bytes"]
+        self.spool_full_policy: str = values["spool_full_policy"]
+        self.max_request_bytes: int = values["max_request_bytes"]
+        self.upstream_timeout: float = values["upstream_timeout"]
+        self.upstream_api_key: str = values["upstream_api_key"]
+        self.key_refresh_seconds: float = values["key_refresh_seconds"]
+        self.database_url: str = values["database_url"]
+        self.master_key_env: str = values["master_key_env"]
+        self.master_key_file: str = values["master_key_file"]
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        var_dir = Path(os.environ.get("STEWARD_VAR_DIR", Path(_ROOT) / "var"))
+        policy = os.environ.get("STEWARD_SPOOL_FULL_POLICY", "reject").strip().lower()
+        if policy not in ("reject", "passthrough"):
+            raise ValueError("STEWARD_SPOOL_FULL_POLICY must be 'reject' or 'passthrough'")
+        return cls(
+            spool_dir=Path(os.environ.get("STEWARD_SPOOL_DIR", var_dir / "spool")),
+            spool_max_bytes=_env_int("STEWARD_SPOOL_MAX_BYTES", 1024**3),
+            spool_full_policy=policy,
+            max_request_bytes=_env_int("STEWARD_MAX_REQUEST_BYTES", 10 * 1024 * 1024),
+            upstream_timeout=_env_float("STEWARD_UPSTREAM_TIMEOUT", 600.0),
+            upstream_api_key=os.environ.get("STEWARD_UPSTREAM_API_KEY", "").strip(),
+            key_refresh_seconds=_env_float("STEWARD_KEY_REFRESH_SECONDS", 1.0),
+            database_url=os.environ.get("DATABASE_URL", ""),
+            master_key_env=os.environ.get("STEWARD_MASTER_KEY", ""),
+            master_key_file=os.environ.get("STEWARD_MASTER_KEY_FILE",
+                                           str(var_dir / "master.key")),
+        )
+
+
+class Capture:
+    """What the addon remembers about one captured exchange (in flow.metadata)."""
+
+    __slots__ = ("key", "endpoint", "decision", "step_id", "session", "subject", "consent",
+                 "request_headers", "request_body", "request_json", "hashes", "chunks",
+                 "t_first_byte", "finished")
+
+    def __init__(self, key: KeyInfo, endpoint: str, decision: Decision, step_id: str,
+                 session: str | None, subject: str | None, consent: str,
+                 request_headers: list[list[str]], request_body: bytes, request_json: Any,
+                 hashes: list[bytes] | None) -> None:
+        self.key = key
+        self.endpoint = endpoint
+        self.decision = decision
+        self.step_id = step_id
+        self.session = session
+        self.subject = subject
+        self.consent = consent
+        self.request_headers = request_headers
+        self.request_body = request_body
+        self.request_json = request_json  # parsed body, None when not JSON
+        self.hashes = hashes  # prefix hashes of chat messages
+        self.chunks: list[bytes] | None = None  # SSE tee
+        self.t_first_byte: float | None = None
+        self.finished = False
+
+
+def _header_text(value: bytes | None) -> str:
+    # Lossy for invalid UTF-8 on purpose: the record must stay JSON-serialisable.
+    return value.decode("utf-8", "replace").strip() if value else ""
+
+
+def _header_list(fields: tuple[tuple[bytes, bytes], ...]) -> list[list[str]]:
+    return [[k.decode("utf-8", "replace"), v.decode("utf-8", "replace")] for k, v in fields]
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+class Steward:
+    def __init__(self) -> None:
+        self.settings: Settings | None = None
+        self.spool: SpoolWriter | None = None
+        self.keys: KeyTable | None = None
+        self.index = TrajectoryIndex()
+        self.broken: str | None = None
+        self.instance = f"{socket.gethostname()}:?"
+        self._upstream_auth = b""
+        self._pending: list[dict] = []  # finished records not yet handed to the spool writer
+        self._handoff: asyncio.TimerHandle | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def load(self, loader) -> None:
+        errors.install()
+        try:
+            s = self.settings = Settings.from_env()
+            master = load_master_key(s.master_key_env, s.master_key_file, create=False)
+            self.spool = SpoolWriter(s.spool_dir, master, max_bytes=s.spool_max_bytes)
+            if not s.database_url:
+                log.warning("DATABASE_URL is unset: only keys in the snapshot are accepted")
+            self.keys = KeyTable(s.database_url, s.spool_dir.parent / "proxy-keys.json",
+                                 s.key_refresh_seconds)
+            if s.database_url:
+                self.keys.start()
+            self._upstream_auth = b"Bearer " + s.upstream_api_key.encode()
+        except Exception as e:  # fail closed: never forward uncaptured traffic
+            self.broken = f"Steward proxy is misconfigured: {e}"
+            log.error(self.broken)
+            try:
+                ctx.master.shutdown()
+            except Exception:  # not running under a master (unit use)
+                pass
+
+    def running(self) -> None:
+        # Reverse mode connects to the upstream as soon as a client connects ("eager"); when
+        # the upstream is down the agent would then see a reset connection instead of a 502,
+        # and unauthenticated clients would open upstream connections. Connect per request.
+        if ctx.options.connection_strategy != "lazy":
+            ctx.options.update(connection_strategy="lazy")
+        port = getattr(ctx.options, "listen_port", None) or os.environ.get(
+            "STEWARD_PROXY_PORT", "8080")
+        self.instance = f"{socket.gethostname()}:{port}"
+        log.info("steward proxy %s ready (%d keys from %s)", self.instance,
+                 len(self.keys.table) if self.keys else 0,
+                 self.keys.loaded_from if self.keys else "-")
+
+    def done(self) -> None:
+        if self.keys is not None:
+            self.keys.stop()
+        if self.spool is not None:
+            self._hand_off()
+            self.spool.close()
+
+    def _hand_off(self) -> None:
+        """Pass the finished records to the spool writer thread in one burst: it wakes (and
+        fsyncs) once per burst instead of once per record, which keeps it off the GIL."""
+        self._handoff = None
+        pending, self._pending = self._pending, []
+        if self.spool is not None:
+            for record in pending:
+                self.spool.append(record)
+
+    # -- hooks --------------------------------------------------------------------------
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if self.broken:
+            flow.response = errors.error_response(503, self.broken)
+            return
+        assert self.settings is not None
+        length = flow.request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.settings.max_request_bytes:
+            flow.response = self._too_large(int(length))
+
+    def _too_large(self, size: int) -> http.Response:
+        assert self.settings is not None
+        return errors.error_response(
+            413, f"Request body of {size} bytes exceeds Steward's limit of "
+            f"{self.settings.max_request_bytes} bytes (STEWARD_MAX_REQUEST_BYTES).", close=True)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:  # answered in requestheaders
+            return
+        assert self.settings is not None and self.keys is not None and self.spool is not None
+        req = flow.request
+        # One pass over the raw header fields (mitmproxy's Headers accessors rescan and decode
+        # every field on each call; this is the proxy's hot path).
+        auth = b""
+        steward: dict[bytes, bytes] = {}
+        forwarded: list[tuple[bytes, bytes]] = []
+        has_encoding = False
+        for name, value in req.headers.fields:
+            lname = name.lower()
+            if lname == b"authorization":
+                auth = value
+                continue
+            if lname.startswith(b"x-steward-"):
+                steward[lname] = value
+                continue
+            if lname == b"content-encoding":
+                has_encoding = True
+            forwarded.append((name, value))
+
+        key = None
+        if auth[:7].lower() == b"bearer ":
+            key = self.keys.lookup(auth[7:].strip().decode("utf-8", "replace"))
+        if key is None or key.revoked:
+            if not auth:
+                msg = ("You didn't provide an API key. Send a Steward proxy key as "
+                       "'Authorization: Bearer stw_...'.")
+            elif key is not None:
+                msg = "This Steward proxy key has been revoked."
+            else:
+                msg = "Incorrect API key provided: not a known Steward proxy key."
+            flow.response = errors.error_response(401, msg)
+            return
+        raw = req.raw_content or b""
+        if len(raw) > self.settings.max_request_bytes:  # chunked bodies have no Content-Length
+            flow.response = self._too_large(len(raw))
+            return
+
+        path = req.path.split("?", 1)[0]
+        endpoint = CAPTURED.get(path) if req.method == "POST" else None
+        capture = endpoint is not None
+        if capture and self.spool.is_full():
+            if self.settings.spool_full_policy == "reject":
+                flow.response = errors.error_response(
+                    503, "Steward's capture spool is full; the call was not forwarded. "
+                    "Retry later.", code="spool_full")
+                return
+            log.warning("spool full: forwarding %s uncaptured (policy passthrough)", flow.id)
+            capture = False
+
+        if capture:
+            session = _header_text(steward.get(b"x-steward-session")) or None
+            if session is not None and len(session) > MAX_SESSION_LENGTH:
+                flow.response = errors.error_response(
+                    400, f"X-Steward-Session is longer than {MAX_SESSION_LENGTH} characters.",
+                    code="invalid_steward_header")
+                return
+            consent = (_header_text(steward.get(b"x-steward-consent")) or "train").lower()
+            if consent not in ("train", "no-train"):
+                flow.response = errors.error_response(
+                    400, "X-Steward-Consent must be 'train' or 'no-train'.",
+                    code="invalid_steward_header")
+                return
+            recorded = [[_header_text(k), _header_text(v)] for k, v in req.headers.fields
+                        if k.lower() != b"authorization"]
+            # Plain bytes in the spool (and a parseable SSE tee): ask for no compression.
+            forwarded = [f for f in forwarded if f[0].lower() != b"accept-encoding"]
+            forwarded.append((b"accept-encoding", b"identity"))
+        if self.settings.upstream_api_key:
+            forwarded.append((b"authorization", self._upstream_auth))
+        req.headers.fields = tuple(forwarded)
+        self._arm_timeout(flow)
+        if not capture:
+            return
+
+        subject = _header_text(steward.get(b"x-steward-subject")) or None
+        try:
+            body = orjson.loads(req.content if has_encoding else raw)
+        except (orjson.JSONDecodeError, ValueError):
+            body = None
+        is_json = body is not None
+        scope = (key.tenant_id, key.agent_id)
+        hashes = None
+        if endpoint == "chat.completions" and isinstance(body, dict) and isinstance(
+                body.get("messages"), list) and body["messages"]:
+            hashes = prefix_hashes(body["messages"])
+        decision = decide(self.index, scope, endpoint, body, session, hashes)
+        flow.metadata["steward"] = Capture(
+            key=key, endpoint=endpoint, decision=decision, step_id=str(uuid.uuid4()),
+            session=session, subject=subject, consent=consent,
+            request_headers=recorded or [], request_body=raw,
+            request_json=body if is_json else None, hashes=hashes,
+        )
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._disarm_timeout(flow)
+        cap: Capture | None = flow.metadata.get("steward")
+        if cap is None or flow.response is None:
+            return
+        resp = flow.response
+        cap.t_first_byte = resp.timestamp_start or time.time()
+        fields = resp.headers.fields
+        resp.headers.fields = fields + (
+            (b"X-Steward-Trajectory", cap.decision.trajectory_id.encode()),
+            (b"X-Steward-Step", cap.step_id.encode()))
+        content_type = next((v for k, v in fields if k.lower() == b"content-type"), b"")
+        if content_type.startswith(b"text/event-stream"):
+            chunks = cap.chunks = []
+            append = chunks.append
+
+            def tee(data: bytes) -> bytes:
+                if data:
+                    append(data)
+                return data
+
+            resp.stream = tee
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        cap: Capture | None = flow.metadata.get("steward")
+        if cap is None or cap.finished:
+            return
+        cap.finished = True
+        resp = flow.response
+        assert resp is not None
+        body = b"".join(cap.chunks) if cap.chunks is not None else resp.raw_content
+        error = None
+        if resp.status_code >= 500:
+            error = {"kind": "upstream_error",
+                     "message": f"upstream answered HTTP {resp.status_code}"}
+        # After mitmproxy has written the response (this hook runs before a buffered response
+        # is sent): build the record and update the index on the next loop iteration.
+        asyncio.get_running_loop().call_soon(self._finish, flow, cap, resp.status_code,
+                                             _header_list(resp.headers.fields),
+                                             body, cap.chunks is not None, error,
+                                             resp.timestamp_end or time.time())
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._disarm_timeout(flow)
+        cap: Capture | None = flow.metadata.get("steward")
+        if cap is None or cap.finished:
+            return
+        cap.finished = True
+        msg = flow.error.msg if flow.error else "unknown error"
+        timeout = flow.metadata.get("steward_timeout")
+        if timeout:
+            kind, msg = "upstream_timeout", timeout
+        elif "client disconnected" in msg.lower():
+            kind = "client_disconnected"
+        elif flow.response is None and not flow.server_conn.timestamp_tcp_setup:
+            kind = "upstream_unreachable"
+        else:
+            kind = "upstream_error"
+        resp = flow.response
+        body = b"".join(cap.chunks) if cap.chunks is not None else None
+        self._finish(
+            flow, cap, resp.status_code if resp else None,
+            _header_list(resp.headers.fields) if resp else None,
+            body, cap.chunks is not None, {"kind": kind, "message": msg}, time.time())
+
+    def client_disconnected(self, client) -> None:
+        errors.forget(client.id)
+
+    # -- upstream timeout ---------------------------------------------------------------
+    def _arm_timeout(self, flow: http.HTTPFlow) -> None:
+        assert self.settings is not None
+        if self.settings.upstream_timeout > 0:
+            flow.metadata["steward_timer"] = asyncio.get_running_loop().call_later(
+                self.settings.upstream_timeout, self._on_timeout, flow)
+
+    @staticmethod
+    def _disarm_timeout(flow: http.HTTPFlow) -> None:
+        timer = flow.metadata.pop("steward_timer", None)
+        if timer is not None:
+            timer.cancel()
+
+    def _on_timeout(self, flow: http.HTTPFlow) -> None:
+        flow.metadata.pop("steward_timer", None)
+        if flow.response is not None or flow.error is not None:
+            return
+        assert self.settings is not None
+        message = (f"The upstream model server did not answer within "
+                   f"{self.settings.upstream_timeout:g} s (STEWARD_UPSTREAM_TIMEOUT).")
+        flow.metadata["steward_timeout"] = message
+        errors.mark_timed_out(flow.client_conn.id, message)
+        # mitmproxy has no upstream read timeout: cancel the task that reads the server
+        # connection; mitmproxy sees the upstream as closed and answers (504, see errors.py).
+        try:
+            handler = ctx.master.addons.get("proxyserver").connections[flow.client_conn.id]
+            io = handler.transports.get(flow.server_conn)
+        except (KeyError, AttributeError):
+            io = None
+        if io is not None and io.handler is not None:
+            io.handler.cancel()
+        else:
+            log.warning("upstream timeout for %s but no server connection to cancel", flow.id)
+
+    # -- record -------------------------------------------------------------------------
+    def _finish(self, flow: http.HTTPFlow, cap: Capture, status: int | None,
+                response_headers: list[list[str]] | None, body: bytes | None, is_stream: bool,
+                error: dict | None, t_end: float) -> None:
+        assert self.spool is not None
+        record = {
+            "v": 1,
+            "flow_id": flow.id,
+            "proxy_instance": self.instance,
+            "tenant_id": cap.key.tenant_id,
+            "agent_id": cap.key.agent_id,
+            "proxy_key_id": cap.key.key_id,
+            "trajectory_id": cap.decision.trajectory_id,
+            "trajectory_source": cap.decision.source,
+            "step_id": cap.step_id,
+            "session_id": cap.session,
+            "subject": cap.subject,
+            "consent": cap.consent,
+            "endpoint": cap.endpoint,
+            "method": flow.request.method,
+            "path": flow.request.path,
+            "request_headers": cap.request_headers,
+            "request_body": _b64(cap.request_body),
+            "request_is_json": cap.request_json is not None,
+            "response_status": status,
+            "response_headers": response_headers,
+            "response_body": _b64(body),
+            "is_stream": is_stream,
+            "error": error,
+            "t_request": flow.request.timestamp_start,
+            "t_first_byte": cap.t_first_byte,
+            "t_end": t_end,
+        }
+        self._pending.append(record)
+        if self._handoff is None:
+            self._handoff = asyncio.get_running_loop().call_later(HANDOFF_SECONDS,
+                                                                  self._hand_off)
+        if status is not None and 200 <= status < 300 and body:
+            try:
+                self._learn(cap, body, is_stream)
+            except Exception:  # inference is best effort; the record is already spooled
+                log.exception("trajectory index update failed for %s", flow.id)
+
+    def _learn(self, cap: Capture, body: bytes, is_stream: bool) -> None:
+        scope = (cap.key.tenant_id, cap.key.agent_id)
+        req = cap.request_json
+        if not isinstance(req, dict):
+            return
+        if cap.endpoint == "chat.completions" and cap.hashes:
+            self.index.record_chat(scope, req["messages"], chat_answer(body, is_stream),
+                                   cap.decision.trajectory_id, cap.hashes)
+        elif cap.endpoint == "responses":
+            rid = response_id(body, is_stream)
+            if rid:
+                self.index.record_response(scope, rid, cap.decision.trajectory_id)
+
+
+addons = [Steward()]

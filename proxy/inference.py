@@ -1,0 +1,245 @@
+"""Trajectory inference: which trajectory does a call belong to? Pure functions + one index.
+
+Rules, first match wins:
+1. `X-Steward-Session` header -> uuid5(tenant, agent, session)                  ("session")
+2. Responses API `previous_response_id` naming a response this proxy saw       ("previous_response")
+3. Chat completions: the longest strict prefix of the request's messages that is a known
+   conversation state, and is a *continuation* of it                           ("prefix")
+4. Otherwise a new uuid4                                                       ("new")
+
+Chat prefix matching. After each exchange the index stores, per (tenant, agent), two
+conversation states: H(request messages) and H(request messages + returned assistant message).
+A new request with messages m[0..n-1] continues a stored state at length k (1 <= k < n) when
+either the state stored at k included the model's answer (the agent appended tool results or a
+user turn after it), or the state at k was a request and m[k] is an assistant message (the agent
+re-serialised the answer differently, e.g. dropped reasoning). The longest such k wins. A request
+identical to a stored one (k == n) is a retry or a different conversation with the same opening,
+never a continuation, so it starts a new trajectory.
+
+Hashes are a chain (h_k = H(h_{k-1} || canon(m_{k-1}))), so all prefixes of a request cost O(n).
+Messages are canonicalised to (role, text, tool calls (id, name, arguments), tool_call_id), so
+cosmetic differences — `content: null` vs missing, text parts vs a string, extra fields such as
+`refusal`, `annotations` or `reasoning_content` that SDKs add when echoing an answer back — do not
+break matching. The index is a bounded LRU per (tenant, agent); when two conversations reach an
+identical state, the later one wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.ids import new_id, session_trajectory_id
+
+SESSION, PREFIX, PREVIOUS_RESPONSE, NEW = "session", "prefix", "previous_response", "new"
+_TEXT_PART_TYPES = {"text", "input_text", "output_text"}
+
+Scope = tuple[int, int]  # (tenant id, agent id)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    trajectory_id: str
+    source: str
+
+
+def message_text(content: Any) -> str:
+    """The text of an OpenAI message content: a string, or the text parts of a list joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") in _TEXT_PART_TYPES:
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+        return "".join(parts)
+    return str(content)
+
+
+def canonical_message(message: Any) -> bytes:
+    if not isinstance(message, dict):
+        return orjson.dumps(["?", str(message)])
+    calls = []
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, dict):
+            fn = call.get("function") or {}
+            calls.append([call.get("id") or "", fn.get("name") or "",
+                          fn.get("arguments") or ""])
+    return orjson.dumps([message.get("role") or "", message_text(message.get("content")),
+                         calls, message.get("tool_call_id") or ""])
+
+
+def prefix_hashes(messages: list[Any]) -> list[bytes]:
+    """h[k-1] is the hash of messages[:k], for k = 1..len(messages)."""
+    out: list[bytes] = []
+    h = b""
+    for message in messages:
+        h = hashlib.blake2b(h + canonical_message(message), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def extend_hash(prev: bytes, message: Any) -> bytes:
+    return hashlib.blake2b(prev + canonical_message(message), digest_size=16).digest()
+
+
+def is_assistant(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("role") == "assistant"
+
+
+class TrajectoryIndex:
+    """Per (tenant, agent) LRU maps: conversation-state hash -> (trajectory id, answered?) and
+    Responses-API response id -> trajectory id. Used from the event loop only (no locking)."""
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._states: dict[Scope, OrderedDict[bytes, tuple[str, bool]]] = {}
+        self._responses: dict[Scope, OrderedDict[str, str]] = {}
+
+    @staticmethod
+    def _put(table: OrderedDict, key: Any, value: Any, limit: int) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > limit:
+            table.popitem(last=False)
+
+    # -- chat completions ---------------------------------------------------------------
+    def find_continuation(self, scope: Scope, messages: list[Any],
+                          hashes: list[bytes] | None = None) -> str | None:
+        table = self._states.get(scope)
+        if not table or len(messages) < 2:
+            return None
+        hashes = hashes if hashes is not None else prefix_hashes(messages)
+        for k in range(len(messages) - 1, 0, -1):  # longest strict prefix first
+            hit = table.get(hashes[k - 1])
+            if hit is None:
+                continue
+            trajectory_id, answered = hit
+            if answered or is_assistant(messages[k]):
+                table.move_to_end(hashes[k - 1])
+                return trajectory_id
+        return None
+
+    def record_chat(self, scope: Scope, messages: list[Any], answer: dict | None,
+                    trajectory_id: str, hashes: list[bytes] | None = None) -> None:
+        if not messages:
+            return
+        table = self._states.setdefault(scope, OrderedDict())
+        hashes = hashes if hashes is not None else prefix_hashes(messages)
+        self._put(table, hashes[-1], (trajectory_id, False), self.max_entries)
+        if answer is not None:
+            self._put(table, extend_hash(hashes[-1], answer), (trajectory_id, True),
+                      self.max_entries)
+
+    # -- responses API ------------------------------------------------------------------
+    def find_response(self, scope: Scope, response_id: str) -> str | None:
+        table = self._responses.get(scope)
+        return table.get(response_id) if table else None
+
+    def record_response(self, scope: Scope, response_id: str, trajectory_id: str) -> None:
+        table = self._responses.setdefault(scope, OrderedDict())
+        self._put(table, response_id, trajectory_id, self.max_entries)
+
+
+def decide(index: TrajectoryIndex, scope: Scope, endpoint: str, body: Any,
+           session: str | None, hashes: list[bytes] | None = None) -> Decision:
+    """The trajectory of a request (rules in the module docstring). `body` is the parsed JSON
+    request (anything else when it was not JSON)."""
+    if session:
+        return Decision(session_trajectory_id(scope[0], scope[1], session), SESSION)
+    if isinstance(body, dict):
+        if endpoint == "chat.completions":
+            messages = body.get("messages")
+            if isinstance(messages, list):
+                found = index.find_continuation(scope, messages, hashes)
+                if found:
+                    return Decision(found, PREFIX)
+        elif endpoint == "responses":
+            previous = body.get("previous_response_id")
+            if isinstance(previous, str):
+                found = index.find_response(scope, previous)
+                if found:
+                    return Decision(found, PREVIOUS_RESPONSE)
+    return Decision(new_id(), NEW)
+
+
+# -- reading the answer out of a response ------------------------------------------------
+def iter_sse_data(body: bytes):
+    """The JSON payloads of an SSE body's `data:` lines (skips `[DONE]` and junk)."""
+    for line in body.splitlines():
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            if data and data != b"[DONE]":
+                try:
+                    yield orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    continue
+
+
+def chat_answer(body: bytes, is_stream: bool) -> dict | None:
+    """The assistant message of choice 0 of a chat completion (JSON or SSE), or None."""
+    try:
+        if not is_stream:
+            doc = orjson.loads(body)
+            choice = (doc.get("choices") or [None])[0]
+            message = choice.get("message") if isinstance(choice, dict) else None
+            return message if isinstance(message, dict) else None
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    text: list[str] = []
+    calls: dict[int, dict] = {}
+    seen = False
+    for chunk in iter_sse_data(body):
+        if not isinstance(chunk, dict):
+            continue
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            seen = True
+            if isinstance(delta.get("content"), str):
+                text.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                slot = calls.setdefault(call.get("index", 0),
+                                        {"id": "", "type": "function",
+                                         "function": {"name": "", "arguments": ""}})
+                if call.get("id"):
+                    slot["id"] = call["id"]
+                fn = call.get("function") or {}
+                if fn.get("name"):
+                    slot["function"]["name"] += fn["name"]
+                if fn.get("arguments"):
+                    slot["function"]["arguments"] += fn["arguments"]
+    if not seen:
+        return None
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message
+
+
+def response_id(body: bytes, is_stream: bool) -> str | None:
+    """The id of a Responses API response (JSON, or the `response.completed`/`created` event)."""
+    try:
+        if not is_stream:
+            doc = orjson.loads(body)
+            rid = doc.get("id") if isinstance(doc, dict) else None
+            return rid if isinstance(rid, str) else None
+    except orjson.JSONDecodeError:
+        return None
+    for event in iter_sse_data(body):
+        if isinstance(event, dict) and isinstance(event.get("response"), dict):
+            rid = event["response"].get("id")
+            if isinstance(rid, str):
+                return rid
+    return None

@@ -1,0 +1,177 @@
+"""The proxy's key table: SHA-256(proxy key) -> tenant + agent, refreshed in a background thread.
+
+The event loop only does `KeyTable.lookup(secret)`: one sha256 and one dict get. A daemon thread
+polls PostgreSQL with psycopg (no Django in the proxy process) every STEWARD_KEY_REFRESH_SECONDS:
+a cheap `count(*), max(updated_at)` probe, and a full reload of the (small) table only when that
+changed. Revoking a key bumps its `updated_at`, so a revocation takes effect within one refresh
+interval. The table is swapped atomically (one attribute assignment), so readers never lock.
+
+Database down: the proxy keeps the last table it loaded (fail-open for keys it already knew;
+keys created during the outage are unknown, revocations made during it apply when the database
+is back) and logs once per outage. Each loaded table is also written to a snapshot file (key
+hashes and ids only — no secrets), which is read at start-up, so a proxy restarted during an
+outage still authenticates the keys it knew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+log = logging.getLogger("steward.keys")
+
+PROBE_SQL = "SELECT count(*), max(updated_at) FROM governance_proxykey"
+LOAD_SQL = """
+SELECT k.key_hash, k.id, k.tenant_id, t.slug, k.agent_id, a.name, k.revoked_at IS NOT NULL
+FROM governance_proxykey k
+JOIN governance_agent a ON a.id = k.agent_id
+JOIN governance_tenant t ON t.id = k.tenant_id
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    key_id: int
+    tenant_id: int
+    tenant_slug: str
+    agent_id: int
+    agent_name: str
+    revoked: bool
+
+
+def hash_key(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class KeyTable:
+    def __init__(self, database_url: str, snapshot_path: Path | None = None,
+                 refresh_seconds: float = 1.0) -> None:
+        self.database_url = database_url
+        self.snapshot_path = snapshot_path
+        self.refresh_seconds = refresh_seconds
+        self.table: dict[str, KeyInfo] = {}
+        self.loaded_from: str = "empty"  # "empty" | "snapshot" | "database"
+        self.loaded = threading.Event()  # set after the first successful database load
+        self._version: tuple | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn = None
+        self._outage = False
+        self._load_snapshot()
+
+    # -- event loop -------------------------------------------------------------------
+    def lookup(self, secret: str) -> KeyInfo | None:
+        """The key's tenant/agent, or None when unknown. Revoked keys are returned (revoked
+        True) so the caller can say so."""
+        return self.table.get(hash_key(secret))
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="steward-key-refresh",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # closing a broken connection may fail; nothing to do
+                pass
+
+    # -- background thread ------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+                if self._outage:
+                    log.warning("key table: database reachable again (%d keys)",
+                                len(self.table))
+                self._outage = False
+            except Exception as e:
+                self._drop_connection()
+                if not self._outage:
+                    log.warning("key table: database unreachable, keeping the last table of %d "
+                              "keys (%s): %s", len(self.table), self.loaded_from, e)
+                self._outage = True
+            self._stop.wait(self.refresh_seconds)
+
+    def _connect(self):
+        import psycopg
+
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.database_url, autocommit=True, connect_timeout=5,
+                                         application_name="steward-proxy")
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # already broken
+                pass
+        self._conn = None
+
+    def refresh(self) -> bool:
+        """Reload when the probe changed. Returns True when the table was reloaded."""
+        conn = self._connect()
+        with conn.cursor() as cur:
+            cur.execute(PROBE_SQL)
+            count, max_updated = cur.fetchone()
+            version = (count, max_updated.isoformat() if max_updated else None)
+            if version == self._version:
+                return False
+            cur.execute(LOAD_SQL)
+            rows = cur.fetchall()
+        self.table = {
+            row[0]: KeyInfo(key_id=row[1], tenant_id=row[2], tenant_slug=row[3],
+                            agent_id=row[4], agent_name=row[5], revoked=bool(row[6]))
+            for row in rows
+        }
+        self._version = version
+        self.loaded_from = "database"
+        self.loaded.set()
+        self._write_snapshot()
+        return True
+
+    # -- snapshot ---------------------------------------------------------------------
+    def _write_snapshot(self) -> None:
+        if self.snapshot_path is None:
+            return
+        doc = {"written_at": time.time(),
+               "keys": {h: [k.key_id, k.tenant_id, k.tenant_slug, k.agent_id, k.agent_name,
+                            k.revoked] for h, k in self.table.items()}}
+        try:
+            self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.snapshot_path.with_name(self.snapshot_path.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(orjson.dumps(doc))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.snapshot_path)
+        except OSError:
+            log.exception("key table: cannot write snapshot %s", self.snapshot_path)
+
+    def _load_snapshot(self) -> None:
+        if self.snapshot_path is None or not self.snapshot_path.exists():
+            return
+        try:
+            doc = orjson.loads(self.snapshot_path.read_bytes())
+            self.table = {h: KeyInfo(int(v[0]), int(v[1]), str(v[2]), int(v[3]), str(v[4]),
+                                     bool(v[5]))
+                          for h, v in doc["keys"].items()}
+            self.loaded_from = "snapshot"
+            log.info("key table: %d keys from snapshot %s", len(self.table),
+                     self.snapshot_path)
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            log.exception("key table: ignoring unreadable snapshot %s", self.snapshot_path)

@@ -1,0 +1,254 @@
+"""Fixtures that start real processes: the fake upstream (proxy/demo_upstream.py on a thread)
+and mitmdump with the Steward addon (a subprocess on a free port, talking to the test database).
+
+Tests that start a proxy need committed rows, so they use `transactional_db` (the fixtures here
+request it). Typical use:
+
+    def test_x(steward_proxy, proxy_key):
+        client = openai.OpenAI(base_url=steward_proxy.base_url, api_key=proxy_key.secret)
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MITMDUMP = REPO / ".venv" / "bin" / "mitmdump"
+UPSTREAM_API_KEY = "sk-upstream-test-credential"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30.0, process: subprocess.Popen | None = None
+                  ) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before listening")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+
+
+def database_url_from_django() -> str:
+    """A libpq URL for the database Django is connected to (the test database in tests)."""
+    from django.db import connection
+
+    s = connection.settings_dict
+    auth = quote(s.get("USER") or "", safe="")
+    if s.get("PASSWORD"):
+        auth += ":" + quote(s["PASSWORD"], safe="")
+    host = s.get("HOST") or ""
+    port = s.get("PORT") or ""
+    name = quote(s["NAME"], safe="")
+    if not host or host.startswith("/"):  # Unix socket directory
+        query = f"?host={quote(host, safe='')}" if host else ""
+        query += f"{'&' if query else '?'}port={port}" if port else ""
+        return f"postgresql://{auth}@/{name}{query}"
+    return f"postgresql://{auth}@{host}{':' + str(port) if port else ''}/{name}"
+
+
+def master_key() -> bytes:
+    return base64.b64decode(os.environ["STEWARD_MASTER_KEY"])
+
+
+def read_spool(spool_dir: Path, key: bytes | None = None) -> list[dict[str, Any]]:
+    """Every decodable record in a spool directory, in write order (proxy.spool.read_batches)."""
+    from proxy.spool import read_batches
+
+    records: list[dict[str, Any]] = []
+    if not Path(spool_dir).exists():
+        return records
+    for batch in read_batches(Path(spool_dir), key or master_key()):
+        records.extend(batch.records)
+    return records
+
+
+@dataclass
+class ProxyProcess:
+    url: str  # http://127.0.0.1:PORT (the server root)
+    port: int
+    spool_dir: Path
+    log_path: Path
+    process: subprocess.Popen
+    env: dict[str, str] = field(repr=False, default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def records(self) -> list[dict[str, Any]]:
+        return read_spool(self.spool_dir)
+
+    def wait_for_record(self, step_id: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The spool record of a step (the writer thread fsyncs every 20 ms)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for record in self.records():
+                if record["step_id"] == step_id:
+                    return record
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no spool record for step {step_id}; proxy log:\n"
+                                     + self.log()[-3000:])
+            time.sleep(0.05)
+
+    def wait_for_records(self, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            records = self.records()
+            if len(records) >= count or time.monotonic() > deadline:
+                return records
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def wait_for_key(proxy: ProxyProcess, secret: str, timeout: float = 20.0) -> None:
+    """Poll until the proxy's key table accepts `secret` (GET /v1/models answers non-401)."""
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(proxy.base_url + "/models",
+                               headers={"Authorization": f"Bearer {secret}"}, timeout=5
+                               ).status_code
+        except httpx.HTTPError:
+            status = None
+        if status not in (None, 401):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"proxy never accepted the key (last status {status}); log:\n"
+                         + proxy.log()[-3000:])
+
+
+def wait_for_rejection(proxy: ProxyProcess, secret: str, timeout: float = 20.0) -> float:
+    """Poll until the proxy answers 401 for `secret`; returns the seconds it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        status = httpx.get(proxy.base_url + "/models",
+                           headers={"Authorization": f"Bearer {secret}"}, timeout=5).status_code
+        if status == 401:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError("proxy still accepts the key")
+
+
+@pytest.fixture
+def fake_upstream() -> Iterator[Any]:
+    """The demo upstream on a free port: `.url` (server root), `.requests` (recorded requests,
+    newest last), `.last_request()`, `.clear()`."""
+    from proxy.demo_upstream import start_in_thread
+
+    server = start_in_thread()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mitmproxy_confdir(tmp_path_factory) -> Path:
+    """One mitmproxy confdir (its CA is generated once) for every proxy of the run."""
+    return tmp_path_factory.mktemp("mitmproxy-conf")
+
+
+@pytest.fixture
+def start_proxy(transactional_db, tmp_path, mitmproxy_confdir) -> Iterator[Any]:
+    """start_proxy(upstream_url, spool_dir=None, addon=True, **env) -> ProxyProcess.
+    `env` overrides the proxy's environment (e.g. STEWARD_UPSTREAM_TIMEOUT="1")."""
+    started: list[ProxyProcess] = []
+
+    def start(upstream_url: str, spool_dir: Path | None = None, **env: str) -> ProxyProcess:
+        port = free_port()
+        n = len(started)
+        spool = spool_dir or tmp_path / f"proxy{n}" / "spool"
+        log_path = tmp_path / f"proxy{n}.log"
+        proc_env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",  # the log file is read by tests while it runs
+            "DATABASE_URL": database_url_from_django(),
+            "STEWARD_SPOOL_DIR": str(spool),
+            "STEWARD_MASTER_KEY": os.environ["STEWARD_MASTER_KEY"],
+            "STEWARD_UPSTREAM_API_KEY": UPSTREAM_API_KEY,
+            "STEWARD_KEY_REFRESH_SECONDS": "0.2",
+            "STEWARD_UPSTREAM_TIMEOUT": "30",
+            "STEWARD_PROXY_PORT": str(port),
+            **env,
+        }
+        cmd = [str(MITMDUMP), "--mode", f"reverse:{upstream_url}", "--listen-host",
+               "127.0.0.1", "--listen-port", str(port), "-s", str(REPO / "proxy" / "addon.py"),
+               "--set", f"confdir={mitmproxy_confdir}", "--set", "flow_detail=0"]
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(cmd, env=proc_env, stdout=log, stderr=subprocess.STDOUT,
+                                       cwd=REPO)
+        proxy = ProxyProcess(f"http://127.0.0.1:{port}", port, spool, log_path, process,
+                             proc_env)
+        started.append(proxy)
+        try:
+            wait_for_port(port, process=process)
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError(f"{e}; proxy log:\n{proxy.log()}") from e
+        return proxy
+
+    yield start
+    for proxy in started:
+        proxy.stop()
+
+
+@pytest.fixture
+def steward_proxy(start_proxy, fake_upstream) -> ProxyProcess:
+    """mitmdump + the Steward addon in reverse mode to `fake_upstream`, default settings."""
+    return start_proxy(fake_upstream.url)
+
+
+@dataclass
+class LiveKey:
+    secret: str
+    key: Any  # governance.models.ProxyKey
+    tenant: Any
+    agent: Any
+
+
+@pytest.fixture
+def proxy_key(transactional_db, steward_proxy) -> LiveKey:
+    """A real `stw_` key (tenant "acme", agent "agent-1"), already accepted by steward_proxy."""
+    from governance.services import create_proxy_key, create_tenant
+
+    tenant = create_tenant("system:test", "acme", "Acme Bank")[0]
+    issued = create_proxy_key("system:test", tenant, "agent-1")
+    wait_for_key(steward_proxy, issued.secret)
+    return LiveKey(issued.secret, issued.record, tenant, issued.record.agent)
+
+
+__all__ = ["LiveKey", "ProxyProcess", "database_url_from_django", "free_port", "master_key",
+           "read_spool", "wait_for_key", "wait_for_port", "wait_for_rejection",
+           "UPSTREAM_API_KEY"]

@@ -1,0 +1,191 @@
+"""Trajectory inference (proxy/inference.py): pure functions, no database, no processes."""
+
+from __future__ import annotations
+
+import uuid
+
+import orjson
+
+from proxy.ids import STEWARD_NAMESPACE, session_trajectory_id
+from proxy.inference import (
+    NEW,
+    PREFIX,
+    PREVIOUS_RESPONSE,
+    SESSION,
+    TrajectoryIndex,
+    canonical_message,
+    chat_answer,
+    decide,
+    message_text,
+    prefix_hashes,
+    response_id,
+)
+
+SCOPE = (1, 2)
+SYSTEM = {"role": "system", "content": "You are helpful."}
+USER = {"role": "user", "content": "what is 2+2?"}
+ANSWER = {"role": "assistant", "content": "4", "refusal": None}
+
+
+def chat(index, messages, scope=SCOPE, session=None):
+    return decide(index, scope, "chat.completions", {"messages": messages}, session)
+
+
+def test_session_id_is_uuid5_scoped_to_tenant_and_agent():
+    assert STEWARD_NAMESPACE == uuid.UUID("6f1c1d2e-5b0a-4c59-9b6e-3e7a2d1f0c42")
+    expected = str(uuid.uuid5(STEWARD_NAMESPACE, "1:2:run-7"))
+    assert session_trajectory_id(1, 2, "run-7") == expected
+    assert session_trajectory_id(1, 3, "run-7") != expected
+    index = TrajectoryIndex()
+    decision = chat(index, [USER], session="run-7")
+    assert (decision.trajectory_id, decision.source) == (expected, SESSION)
+
+
+def test_canonicalisation_ignores_cosmetic_differences():
+    a = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    b = {"role": "assistant", "tool_calls": [
+        {"id": "c1", "function": {"name": "f", "arguments": "{}"}, "index": 0}],
+        "refusal": None, "reasoning_content": "hmm", "annotations": []}
+    assert canonical_message(a) == canonical_message(b)
+    parts = {"role": "user", "content": [{"type": "text", "text": "he"},
+                                         {"type": "text", "text": "llo"}]}
+    assert canonical_message(parts) == canonical_message({"role": "user", "content": "hello"})
+    assert canonical_message(USER) != canonical_message({**USER, "role": "system"})
+    assert message_text([{"type": "image_url", "image_url": {}}, "x"]) == "x"
+
+
+def test_prefix_hashes_are_a_chain():
+    msgs = [SYSTEM, USER, ANSWER]
+    hashes = prefix_hashes(msgs)
+    assert len(hashes) == 3 and len(set(hashes)) == 3
+    assert prefix_hashes(msgs[:2]) == hashes[:2]
+    assert prefix_hashes([USER, SYSTEM])[1] != hashes[1]  # order matters
+
+
+def test_continuation_after_the_answer_keeps_the_trajectory():
+    index = TrajectoryIndex()
+    first = chat(index, [SYSTEM, USER])
+    assert first.source == NEW
+    index.record_chat(SCOPE, [SYSTEM, USER], ANSWER, first.trajectory_id)
+    follow_up = [SYSTEM, USER, {"role": "assistant", "content": "4"},
+                 {"role": "user", "content": "and 3+3?"}]
+    decision = chat(index, follow_up)
+    assert (decision.trajectory_id, decision.source) == (first.trajectory_id, PREFIX)
+    # ... and a third turn continues from the second.
+    index.record_chat(SCOPE, follow_up, {"role": "assistant", "content": "6"},
+                      decision.trajectory_id)
+    third = chat(index, follow_up + [{"role": "assistant", "content": "6"},
+                                     {"role": "user", "content": "thanks"}])
+    assert third.trajectory_id == first.trajectory_id
+
+
+def test_rewritten_answer_still_continues():
+    index = TrajectoryIndex()
+    first = chat(index, [USER])
+    index.record_chat(SCOPE, [USER], ANSWER, first.trajectory_id)
+    edited = [USER, {"role": "assistant", "content": "four"}, {"role": "user", "content": "ok"}]
+    assert chat(index, edited).trajectory_id == first.trajectory_id
+
+
+def test_identical_request_and_shared_opening_are_new_trajectories():
+    index = TrajectoryIndex()
+    first = chat(index, [SYSTEM, USER])
+    index.record_chat(SCOPE, [SYSTEM, USER], ANSWER, first.trajectory_id)
+    assert chat(index, [SYSTEM, USER]).source == NEW  # a retry or another conversation
+    # Same system prompt and first user turn, but then a different user message: no assistant
+    # message follows the stored state, so it is not a continuation.
+    branched = chat(index, [SYSTEM, USER, {"role": "user", "content": "more"}])
+    assert branched.source == NEW
+
+
+def test_longest_prefix_wins():
+    index = TrajectoryIndex()
+    index.record_chat(SCOPE, [USER], ANSWER, "t-short")
+    long_req = [USER, ANSWER, {"role": "user", "content": "next"}]
+    index.record_chat(SCOPE, long_req, {"role": "assistant", "content": "done"}, "t-long")
+    decision = chat(index, long_req + [{"role": "assistant", "content": "done"},
+                                       {"role": "user", "content": "again"}])
+    assert decision.trajectory_id == "t-long"
+
+
+def test_scopes_are_isolated():
+    index = TrajectoryIndex()
+    index.record_chat(SCOPE, [USER], ANSWER, "t1")
+    follow_up = [USER, ANSWER, {"role": "user", "content": "next"}]
+    assert chat(index, follow_up).trajectory_id == "t1"
+    assert chat(index, follow_up, scope=(1, 99)).source == NEW
+    assert chat(index, follow_up, scope=(7, 2)).source == NEW
+
+
+def test_lru_is_bounded():
+    index = TrajectoryIndex(max_entries=4)
+    for i in range(10):
+        index.record_chat(SCOPE, [{"role": "user", "content": str(i)}], ANSWER, f"t{i}")
+    assert len(index._states[SCOPE]) == 4
+    old = [{"role": "user", "content": "0"}, ANSWER, {"role": "user", "content": "x"}]
+    assert chat(index, old).source == NEW
+    recent = [{"role": "user", "content": "9"}, ANSWER, {"role": "user", "content": "x"}]
+    assert chat(index, recent).trajectory_id == "t9"
+
+
+def test_responses_previous_response_id():
+    index = TrajectoryIndex()
+    index.record_response(SCOPE, "resp_1", "t1")
+    decision = decide(index, SCOPE, "responses", {"previous_response_id": "resp_1"}, None)
+    assert (decision.trajectory_id, decision.source) == ("t1", PREVIOUS_RESPONSE)
+    assert decide(index, SCOPE, "responses", {"previous_response_id": "nope"}, None).source == NEW
+    assert decide(index, (9, 9), "responses", {"previous_response_id": "resp_1"},
+                  None).source == NEW
+
+
+def test_completions_and_non_json_are_new():
+    index = TrajectoryIndex()
+    assert decide(index, SCOPE, "completions", {"prompt": "x"}, None).source == NEW
+    assert decide(index, SCOPE, "chat.completions", None, None).source == NEW
+    assert decide(index, SCOPE, "chat.completions", {"messages": "x"}, None).source == NEW
+
+
+def sse(*payloads) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in payloads) + \
+        b"data: [DONE]\n\n"
+
+
+def test_chat_answer_from_json_and_stream():
+    body = orjson.dumps({"choices": [{"index": 0, "message": ANSWER}]})
+    assert chat_answer(body, False) == ANSWER
+    stream = sse(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "4"}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "c1", "type": "function",
+             "function": {"name": "calc", "arguments": ""}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": "{\"a\":"}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": "1}"}}]}}]},
+        {"choices": [], "usage": {"total_tokens": 3}},
+    )
+    message = chat_answer(stream, True)
+    assert message["content"] == "4"
+    assert message["tool_calls"] == [{"id": "c1", "type": "function",
+                                      "function": {"name": "calc", "arguments": "{\"a\":1}"}}]
+    assert chat_answer(b"not json", False) is None
+    assert chat_answer(b"data: [DONE]\n\n", True) is None
+
+
+def test_streamed_answer_matches_what_the_agent_sends_back():
+    index = TrajectoryIndex()
+    stream = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "4"}}]})
+    index.record_chat(SCOPE, [USER], chat_answer(stream, True), "t1")
+    follow_up = [USER, {"role": "assistant", "content": "4"}, {"role": "user", "content": "?"}]
+    assert chat(index, follow_up).trajectory_id == "t1"
+
+
+def test_response_id_from_json_and_stream():
+    assert response_id(orjson.dumps({"id": "resp_9", "object": "response"}), False) == "resp_9"
+    stream = (b"event: response.created\ndata: "
+              + orjson.dumps({"type": "response.created", "response": {"id": "resp_7"}})
+              + b"\n\n")
+    assert response_id(stream, True) == "resp_7"
+    assert response_id(b"", True) is None
