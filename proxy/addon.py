@@ -191,6 +191,16 @@ class Steward:
             self.keys = KeyTable(s.database_url, s.spool_dir.parent / "proxy-keys.json",
                                  s.key_refresh_seconds)
             if s.database_url:
+                # Load the table once before serving, so a just-started proxy does not answer
+                # 401 to valid keys; bounded by the connect timeout, and a database that is
+                # down only means we start from the snapshot (a warning: mitmdump treats
+                # errors logged at start-up as fatal).
+                try:
+                    self.keys.refresh()
+                except Exception as e:
+                    self.keys.drop_connection()
+                    log.warning("key table: initial load failed, starting from %s: %s",
+                                self.keys.loaded_from, e)
                 self.keys.start()
             self._upstream_auth = b"Bearer " + s.upstream_api_key.encode()
         except Exception as e:  # fail closed: never forward uncaptured traffic
@@ -201,12 +211,15 @@ class Steward:
             except Exception:  # not running under a master (unit use)
                 pass
 
-    def running(self) -> None:
+    def configure(self, updated: set[str]) -> None:
         # Reverse mode connects to the upstream as soon as a client connects ("eager"); when
         # the upstream is down the agent would then see a reset connection instead of a 502,
         # and unauthenticated clients would open upstream connections. Connect per request.
+        # Set here, not in `running`: clients may connect before `running` fires.
         if ctx.options.connection_strategy != "lazy":
             ctx.options.update(connection_strategy="lazy")
+
+    def running(self) -> None:
         port = getattr(ctx.options, "listen_port", None) or os.environ.get(
             "STEWARD_PROXY_PORT", "8080")
         self.instance = f"{socket.gethostname()}:{port}"

@@ -98,7 +98,7 @@ class KeyTable:
                                 len(self.table))
                 self._outage = False
             except Exception as e:
-                self._drop_connection()
+                self.drop_connection()
                 if not self._outage:
                     log.warning("key table: database unreachable, keeping the last table of %d "
                               "keys (%s): %s", len(self.table), self.loaded_from, e)
@@ -113,7 +113,7 @@ class KeyTable:
                                          application_name="steward-proxy")
         return self._conn
 
-    def _drop_connection(self) -> None:
+    def drop_connection(self) -> None:
         if self._conn is not None:
             try:
                 self._conn.close()

@@ -410,3 +410,20 @@ def test_spool_full_policy(start_proxy, fake_upstream, proxy_key, tmp_path, poli
         assert r.status_code == 200 and "x-steward-step" not in r.headers
         time.sleep(0.3)
         assert proxy.records() == []
+
+
+def test_a_known_key_works_on_the_first_request_after_start(start_proxy, fake_upstream,
+                                                            transactional_db):
+    """The key table is loaded before the proxy serves, and the first connection already
+    uses the lazy upstream strategy (a reset connection here would break agents that start
+    together with the appliance)."""
+    from governance.services import create_proxy_key, create_tenant
+
+    tenant = create_tenant("system:test", "acme", "Acme Bank")[0]
+    issued = create_proxy_key("system:test", tenant, "agent-1")
+    proxy = start_proxy(fake_upstream.url)
+    r = httpx.post(proxy.base_url + "/chat/completions", json={
+        "model": "demo-model", "messages": [{"role": "user", "content": "2+2?"}]},
+        headers={"Authorization": f"Bearer {issued.secret}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-steward-trajectory"]
