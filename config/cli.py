@@ -358,9 +358,11 @@ def run_service(name: str, extra: list[str]) -> int:
     env.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     env["PYTHONUNBUFFERED"] = "1"
     if not env.get("DATABASE_URL"):
-        from config.embedded import embedded_database_url
+        from config.embedded import embedded_database_urls
 
-        env["DATABASE_URL"] = embedded_database_url(var_dir)  # development only
+        # development only: the app role, and the owner for the broker's own tables
+        env["DATABASE_URL"], owner = embedded_database_urls(var_dir)
+        env.setdefault("DATABASE_OWNER_URL", owner)
     cfg = ServiceConfig(
         var_dir=var_dir, host=os.environ.get("STEWARD_BIND_HOST", "127.0.0.1"),
         web_port=_env_port("STEWARD_WEB_PORT", DEFAULT_WEB_PORT),
@@ -465,13 +467,17 @@ class Launcher:
         env["STEWARD_WEB_PORT"] = str(self.web_port)
         env["STEWARD_PROXY_PORT"] = str(self.proxy_port)
 
-        # 2. The database: the configured server, else the embedded one.
+        # 2. The database: the configured server, else the embedded one. The services connect
+        # as the app role (row-level security applies); `migrate` runs as the owner
+        # (DATABASE_OWNER_URL), which is also the embedded broker's role: kombu creates its
+        # own tables on first use, and they hold no tenant data.
         if not env.get("DATABASE_URL"):
-            from config.embedded import embedded_database_url
+            from config.embedded import embedded_database_urls
 
             say(f"starting the embedded PostgreSQL in {self.var_dir / 'pg'}")
             self.embedded = True
-            env["DATABASE_URL"] = embedded_database_url(self.var_dir)
+            env["DATABASE_URL"], owner = embedded_database_urls(self.var_dir)
+            env.setdefault("DATABASE_OWNER_URL", owner)
         self.env = env
 
         # 3. Schema, static files, demo tenant + credentials.

@@ -41,14 +41,102 @@ def _server(var_dir: Path):
         return pgserver.get_server(pgdata, cleanup_mode=None)
 
 
-def embedded_database_url(var_dir: Path) -> str:
-    """Start (or attach to) the embedded server and return the URL of the `steward` database,
-    e.g. postgresql://postgres:@/steward?host=/path/var/pg (a Unix-socket host)."""
+# The same two roles as a production install (deploy/postgres-init.sql): the owner runs
+# migrations; the services connect as the app role, which owns nothing and has NOBYPASSRLS, so
+# row-level security applies to it. Authentication is `trust` on the Unix socket in var/pg
+# (pgserver's initdb), so no passwords.
+OWNER_ROLE = "steward_owner"
+APP_ROLE = "steward_app"
+
+_ROLES_SQL = f"""
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{OWNER_ROLE}') THEN
+        CREATE ROLE {OWNER_ROLE} LOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{APP_ROLE}') THEN
+        CREATE ROLE {APP_ROLE} LOGIN;
+    END IF;
+END $$;
+ALTER ROLE {OWNER_ROLE} NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE;
+ALTER ROLE {APP_ROLE} NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE;
+"""
+
+# A database created before the roles existed has its objects owned by `postgres`: hand them
+# to the owner role (REASSIGN OWNED cannot take objects from the bootstrap superuser).
+_OWNERSHIP_SQL = f"""
+ALTER DATABASE {DATABASE_NAME} OWNER TO {OWNER_ROLE};
+DO $$
+DECLARE r record;
+BEGIN
+    FOR r IN SELECT c.oid::regclass AS name FROM pg_class c
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+               AND c.relowner <> '{OWNER_ROLE}'::regrole LOOP
+        EXECUTE format('ALTER TABLE %s OWNER TO {OWNER_ROLE}', r.name);
+    END LOOP;
+    FOR r IN SELECT c.oid::regclass AS name FROM pg_class c
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = 'public' AND c.relkind = 'S'
+               AND c.relowner <> '{OWNER_ROLE}'::regrole
+               AND NOT EXISTS (SELECT FROM pg_depend d WHERE d.objid = c.oid
+                               AND d.deptype IN ('a', 'i')) LOOP
+        EXECUTE format('ALTER SEQUENCE %s OWNER TO {OWNER_ROLE}', r.name);
+    END LOOP;
+    FOR r IN SELECT p.oid::regprocedure AS name FROM pg_proc p
+             JOIN pg_namespace n ON n.oid = p.pronamespace
+             WHERE n.nspname = 'public' AND p.proowner <> '{OWNER_ROLE}'::regrole LOOP
+        EXECUTE format('ALTER FUNCTION %s OWNER TO {OWNER_ROLE}', r.name);
+    END LOOP;
+END $$;
+"""
+
+
+def _role_uri(uri: str, role: str) -> str:
+    """pgserver's URI (postgresql://postgres:@/steward?host=...) with another user."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f"{role}@{host}"))
+
+
+def embedded_database_urls(var_dir: Path) -> tuple[str, str]:
+    """Start (or attach to) the embedded server, make sure the `steward` database and both
+    roles exist, and return (app URL, owner URL), e.g.
+    postgresql://steward_app@/steward?host=/path/var/pg (a Unix-socket host)."""
     server = _server(var_dir)
-    exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}';")
-    if "(1 row)" not in exists:
-        server.psql(f"CREATE DATABASE {DATABASE_NAME};")
-    return server.get_uri(DATABASE_NAME)
+    # One lock for the set-up too: web, worker and beat may all start at once.
+    with open(pgdata_dir(var_dir).parent / "pg.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _psql(server, _ROLES_SQL, "postgres")
+        exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}';")
+        if "(1 row)" not in exists:
+            server.psql(f"CREATE DATABASE {DATABASE_NAME} OWNER {OWNER_ROLE};")
+        owner = server.psql(f"SELECT pg_get_userbyid(datdba) FROM pg_database "
+                            f"WHERE datname = '{DATABASE_NAME}';")
+        if OWNER_ROLE not in owner:
+            _psql(server, _OWNERSHIP_SQL, DATABASE_NAME)
+    uri = server.get_uri(DATABASE_NAME)
+    return _role_uri(uri, APP_ROLE), _role_uri(uri, OWNER_ROLE)
+
+
+def _psql(server, sql: str, database: str) -> None:
+    """Run SQL as the superuser in `database`, stopping at the first error (server.psql
+    neither stops nor reports one)."""
+    import subprocess
+
+    from pgserver._commands import POSTGRES_BIN_PATH
+
+    proc = subprocess.run([str(POSTGRES_BIN_PATH / "psql"), "-q", "-v", "ON_ERROR_STOP=1",
+                           server.get_uri(database)], input=sql, text=True,
+                          capture_output=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"embedded PostgreSQL set-up failed: {proc.stderr.strip()}")
+
+
+def embedded_database_url(var_dir: Path) -> str:
+    """The app role's URL of the embedded database (see embedded_database_urls)."""
+    return embedded_database_urls(var_dir)[0]
 
 
 def running_pid(var_dir: Path) -> int | None:

@@ -78,19 +78,27 @@ TEMPLATES = [
 ]
 
 
-def _database_url() -> str:
+def _database_urls() -> tuple[str, str]:
+    """(DATABASE_URL, DATABASE_OWNER_URL). The services connect as the app role (not the
+    owner, NOBYPASSRLS: row-level security applies); `manage.py migrate` runs as the owner when
+    DATABASE_OWNER_URL is set (governance/management/commands/migrate.py)."""
     url = os.environ.get("DATABASE_URL")
     if url:
-        return url
-    # No server configured: attach to (or start) the embedded PostgreSQL under var/.
-    from config.embedded import embedded_database_url
+        return url, os.environ.get("DATABASE_OWNER_URL", "")
+    # No server configured: attach to (or start) the embedded PostgreSQL under var/, which
+    # has both roles (steward_app and steward_owner; config/embedded.py).
+    from config.embedded import embedded_database_urls
 
-    return embedded_database_url(VAR_DIR)
+    app, owner = embedded_database_urls(VAR_DIR)
+    return app, os.environ.get("DATABASE_OWNER_URL") or owner
 
 
-DATABASE_URL = _database_url()
+DATABASE_URL, DATABASE_OWNER_URL = _database_urls()
 DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
 DATABASES["default"]["TEST"] = {"NAME": os.environ.get("STEWARD_TEST_DATABASE", "test_steward")}
+# Tests only: a role every tenant/system/request scope assumes for its transaction (see
+# governance/tenancy.py). Production leaves it empty: DATABASE_URL's own role applies.
+STEWARD_DB_SCOPE_ROLE = os.environ.get("STEWARD_DB_SCOPE_ROLE", "")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -128,8 +136,11 @@ SPECTACULAR_SETTINGS = {
 
 # --- Celery -----------------------------------------------------------------------------
 # No broker configured: kombu's SQLAlchemy transport on the same PostgreSQL (no extra server).
+# It creates its own tables (kombu_queue, kombu_message; no tenant data) on first use, which the
+# app role may not do, so it connects as the owner when DATABASE_OWNER_URL is known.
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or re.sub(
-    r"^postgres(ql)?(\+\w+)?://", "sqla+postgresql+psycopg://", DATABASE_URL
+    r"^postgres(ql)?(\+\w+)?://", "sqla+postgresql+psycopg://",
+    DATABASE_OWNER_URL or DATABASE_URL
 )
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True

@@ -30,7 +30,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from governance.atdp import atdp_schema, trajectory_document, trajectory_rewards
-from governance.audit import verify_chain
+from governance.audit import audit_event_count, verify_chain
 from governance.models import (
     AuditEvent,
     Dataset,
@@ -463,5 +463,5 @@ class AuditEventViewSet(mixins.ListModelMixin, TenantScopedViewSet):
             required_permission="verify_audit")
     def verify(self, request: Request) -> Response:
         ok, bad_seq, reason = verify_chain()
-        return Response({"ok": ok, "events": AuditEvent.objects.count(),
+        return Response({"ok": ok, "events": audit_event_count(),
                          "first_bad_seq": bad_seq, "reason": reason})

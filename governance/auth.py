@@ -1,5 +1,9 @@
 """REST authentication: `Authorization: Bearer stwt_...` (or `Token stwt_...`). Sets
-`request.tenant` and `request.membership` — the only source of tenant for API views."""
+`request.tenant` and `request.membership` — the only source of tenant for API views — and
+switches the request's transaction to that tenant (row-level security, governance/tenancy.py).
+
+The token is found across tenants by the SECURITY DEFINER function steward_api_token_lookup
+(the tenant is not known before); everything after that is read under the token's tenant."""
 
 from __future__ import annotations
 
@@ -7,6 +11,12 @@ from rest_framework import authentication, exceptions
 
 from governance.crypto import token_hash
 from governance.models import ApiToken, Membership
+from governance.tenancy import (
+    api_token_lookup,
+    request_scope_active,
+    set_request_tenant,
+    tenant_context,
+)
 
 
 class ApiTokenAuthentication(authentication.BaseAuthentication):
@@ -19,11 +29,20 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
         if len(header) != 2:
             raise exceptions.AuthenticationFailed("Invalid Authorization header.")
         secret = header[1].decode(errors="replace")
-        token = (
-            ApiToken.objects.select_related("user", "tenant")
-            .filter(key_hash=token_hash(secret), revoked_at__isnull=True)
-            .first()
-        )
+        found = api_token_lookup(token_hash(secret))
+        if found is None or found[3]:  # unknown or revoked
+            raise exceptions.AuthenticationFailed("Invalid or revoked token.")
+        token_id, tenant_id, _user_id, _revoked = found
+        if request_scope_active():
+            set_request_tenant(tenant_id)
+            return self._load(request, token_id)
+        # Called outside TenantMiddleware (no request transaction to switch): read under a
+        # scope of our own; a view run this way sees no tenant rows (fails closed).
+        with tenant_context(tenant_id):
+            return self._load(request, token_id)
+
+    def _load(self, request, token_id: int):
+        token = ApiToken.objects.select_related("user", "tenant").filter(pk=token_id).first()
         if token is None or not token.user.is_active:
             raise exceptions.AuthenticationFailed("Invalid or revoked token.")
         membership = Membership.objects.filter(user=token.user, tenant=token.tenant).first()

@@ -10,6 +10,9 @@ A trajectory is eligible for training data only if ALL hold:
 - it matches the filter: agents, time range (started_at), reward bounds.
 Erased trajectories have no steps left, so they never qualify. (The suppression list of the
 erasure work plugs in at `eligible_trajectories`.)
+
+Row-level security: the querysets here are lazy and read in the caller's tenant scope (the
+services open it: governance.tenancy.tenant_atomic); what is consumed here opens its own.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from governance.models import (
     Step,
     Trajectory,
 )
+from governance.tenancy import tenant_context
 
 SAMPLE_SIZE = 20
 HASH_CHUNK = 5000
@@ -153,7 +157,10 @@ def version_content_hash(version: DatasetVersion) -> tuple[str, int]:
             count += 1
             yield row
 
-    return _ordered_hash(member_ids(version), counted(member_steps(version))), count
+    # The streams are consumed here, inside the version's tenant scope (row-level security).
+    with tenant_context(version.tenant_id):
+        digest = _ordered_hash(member_ids(version), counted(member_steps(version)))
+    return digest, count
 
 
 def review_sample(trajectory_ids: list[str], seed: str, k: int = SAMPLE_SIZE) -> list[str]:

@@ -16,9 +16,10 @@ A raw payload is destroyed by the first of: its `raw_expires_at` (set at shippin
 current policy's `raw_days` (a policy shortened later applies to what is already stored).
 Versions of datasets holding a trajectory whose steps are purged are invalidated first.
 
-Each batch (at most `batch_size` rows of each kind) is its own transaction with one audit event
-carrying the counts; batches repeat until nothing is left or the time budget is spent. Running
-it again finds nothing (idempotent); a crash loses at most one uncommitted batch.
+Each batch (at most `batch_size` rows of each kind) is its own transaction, scoped to its tenant
+(row-level security: governance.tenancy.tenant_context), with one audit event carrying the
+counts; batches repeat until nothing is left or the time budget is spent. Running it again finds
+nothing (idempotent); a crash loses at most one uncommitted batch.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
 from django.db.models import Count, Exists, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -44,6 +44,7 @@ from governance.models import (
     Tenant,
     Trajectory,
 )
+from governance.tenancy import tenant_context
 
 log = logging.getLogger("steward.retention")
 
@@ -74,7 +75,8 @@ def default_policy(classification: str = RetentionPolicy.ANY) -> Effective:
 def effective_policies(tenant: Tenant | int) -> dict[str, Effective]:
     """The policy in force for every known classification and for "*" (the rest)."""
     tenant_id = tenant if isinstance(tenant, int) else tenant.pk
-    rows = {p.classification: p for p in RetentionPolicy.objects.for_tenant(tenant_id)}
+    with tenant_context(tenant_id):
+        rows = {p.classification: p for p in RetentionPolicy.objects.for_tenant(tenant_id)}
 
     def eff(label: str, p: RetentionPolicy | None) -> Effective:
         if p is None:
@@ -113,7 +115,8 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
               "rewards": 0, "invalidated_versions": 0}
     default = policies[RetentionPolicy.ANY]
     internal = policies["internal"]
-    with transaction.atomic():
+    # One transaction per batch, under the tenant's row-level security scope.
+    with tenant_context(tenant_id):
         # Raw payloads: expired at shipping time, or by the policy of the step's classification
         # (an interaction without a step yet counts as "internal", the step builder's label).
         raw_q = Q(raw_expires_at__lte=now) | (

@@ -1,5 +1,9 @@
 """Every mutation of governed state: one atomic function that takes the acting user (or a
-"system:<component>" label) and writes its audit event in the same transaction."""
+"system:<component>" label) and writes its audit event in the same transaction.
+
+Each runs in its tenant's row-level security scope (`tenant_atomic`, governance/tenancy.py):
+one transaction that sees and writes only that tenant's rows — joined when the caller (a web
+request, a task) is already in the same tenant's scope, refused inside another tenant's."""
 
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from governance.models import (
     Tenant,
 )
 from governance.permissions import member_can
+from governance.tenancy import tenant_atomic, tenant_context
 
 PROXY_KEY_PREFIX = "stw_"
 API_TOKEN_PREFIX = "stwt_"
@@ -51,12 +56,13 @@ class ServiceError(ValueError):
 def create_tenant(actor: Any, slug: str, name: str = "") -> tuple[Tenant, bool]:
     tenant, created = Tenant.objects.get_or_create(slug=slug, defaults={"name": name or slug})
     if created:
-        record_event(actor, "tenant.created", tenant=tenant, object_type="tenant",
-                     object_id=tenant.pk, payload={"slug": slug})
+        with tenant_context(tenant):  # the event belongs to the new tenant
+            record_event(actor, "tenant.created", tenant=tenant, object_type="tenant",
+                         object_id=tenant.pk, payload={"slug": slug})
     return tenant, created
 
 
-@transaction.atomic
+@tenant_atomic("tenant")
 def ensure_agent(actor: Any, tenant: Tenant, name: str) -> Agent:
     agent, created = Agent.objects.get_or_create(tenant=tenant, name=name)
     if created:
@@ -73,7 +79,7 @@ class IssuedSecret:
     record: Any
 
 
-@transaction.atomic
+@tenant_atomic("tenant")
 def create_proxy_key(actor: Any, tenant: Tenant, agent_name: str) -> IssuedSecret:
     agent = ensure_agent(actor, tenant, agent_name)
     secret = new_token(PROXY_KEY_PREFIX)
@@ -86,7 +92,7 @@ def create_proxy_key(actor: Any, tenant: Tenant, agent_name: str) -> IssuedSecre
     return IssuedSecret(secret, key)
 
 
-@transaction.atomic
+@tenant_atomic("key.tenant_id")
 def revoke_proxy_key(actor: Any, key: ProxyKey) -> ProxyKey:
     key = ProxyKey.objects.select_for_update().get(pk=key.pk)
     if key.revoked_at is None:
@@ -97,7 +103,7 @@ def revoke_proxy_key(actor: Any, key: ProxyKey) -> ProxyKey:
     return key
 
 
-@transaction.atomic
+@tenant_atomic("tenant")
 def ensure_member(actor: Any, tenant: Tenant, username: str, role: str,
                   password: str | None = None) -> tuple[Any, Membership, str | None]:
     """Create the user if needed and give them `role` in `tenant`. Returns the generated
@@ -131,7 +137,7 @@ def ensure_member(actor: Any, tenant: Tenant, username: str, role: str,
     return user, membership, generated
 
 
-@transaction.atomic
+@tenant_atomic("tenant")
 def create_api_token(actor: Any, tenant: Tenant, user: Any) -> IssuedSecret:
     if not Membership.objects.filter(tenant=tenant, user=user).exists():
         raise ServiceError(f"{user} is not a member of {tenant.slug}")
@@ -143,7 +149,7 @@ def create_api_token(actor: Any, tenant: Tenant, user: Any) -> IssuedSecret:
     return IssuedSecret(secret, token)
 
 
-@transaction.atomic
+@tenant_atomic("tenant")
 def record_reward(actor: Any, tenant: Tenant, *, value: float, response_id: str = "",
                   trajectory_id: Any = None, name: str = "reward", final: bool = True,
                   comment: str = "", source: str = "api") -> Any:
@@ -244,7 +250,7 @@ def _validate_dataset_filter(tenant: Tenant, agent_ids: list[int], since: Any, u
     return ids
 
 
-@transaction.atomic
+@tenant_atomic("tenant")
 def create_dataset(actor: Any, tenant: Tenant, *, name: str, description: str = "",
                    agent_ids: list[int] | None = None, since: Any = None, until: Any = None,
                    reward_name: str = "", reward_min: float | None = None,
@@ -266,13 +272,14 @@ def create_dataset(actor: Any, tenant: Tenant, *, name: str, description: str = 
     return dataset
 
 
+@tenant_atomic("dataset.tenant_id")
 def preview_dataset_count(dataset: Any) -> int:
     """How many trajectories a freeze would take now (one COUNT; nothing written). Works on
     an unsaved Dataset too, to preview a filter before creating it."""
     return eligible_trajectories(dataset).count()
 
 
-@transaction.atomic
+@tenant_atomic("dataset.tenant_id")
 def freeze_dataset_version(actor: Any, dataset: Any) -> Any:
     """Freeze the dataset's current selection into a new draft DatasetVersion: members
     (INSERT ... SELECT, no round trip per trajectory), content hash, review sample."""
@@ -318,7 +325,7 @@ def _locked_version(version: Any) -> Any:
     return DatasetVersion.objects.select_for_update().get(pk=version.pk)
 
 
-@transaction.atomic
+@tenant_atomic("version.tenant_id")
 def request_approval(actor: Any, version: Any) -> Any:
 
     if _user(actor) is None:
@@ -376,18 +383,18 @@ def _decide(actor: Any, version: Any, reason: str, decision: str) -> Any:
     return approval
 
 
-@transaction.atomic
+@tenant_atomic("version.tenant_id")
 def approve_version(actor: Any, version: Any, reason: str) -> Any:
     """Approve a version pending approval (compliance officer, not its freezer/requester)."""
     return _decide(actor, version, reason, "approve")
 
 
-@transaction.atomic
+@tenant_atomic("version.tenant_id")
 def reject_version(actor: Any, version: Any, reason: str) -> Any:
     return _decide(actor, version, reason, "reject")
 
 
-@transaction.atomic
+@tenant_atomic("tenant")
 def invalidate_versions_containing(actor: Any, tenant: Tenant | int, trajectory_ids: Any,
                                    reason: str) -> list[int]:
     """Invalidate every draft, pending or approved version of `tenant` holding any of these
@@ -418,7 +425,7 @@ def invalidate_versions_containing(actor: Any, tenant: Tenant | int, trajectory_
 # --- retention policies --------------------------------------------------------------------
 
 
-@transaction.atomic
+@tenant_atomic("tenant")
 def set_retention_policy(actor: Any, tenant: Tenant, classification: str, *, steps_days: int,
                          raw_days: int, findings_days: int, audit_days: int) -> Any:
     """Create or replace the tenant's policy for one classification ("*": the rest)."""
@@ -451,7 +458,7 @@ def set_retention_policy(actor: Any, tenant: Tenant, classification: str, *, ste
     return policy
 
 
-@transaction.atomic
+@tenant_atomic("policy.tenant_id")
 def delete_retention_policy(actor: Any, policy: Any) -> None:
     record_event(actor, "retention_policy.deleted", tenant=policy.tenant_id,
                  object_type="retention_policy", object_id=policy.pk,

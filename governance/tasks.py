@@ -9,6 +9,12 @@ becomes a step, so it is never training-eligible). Database errors retry with ba
 
 `build_pending_steps()` (Celery beat) re-queues interactions still `captured` a minute after
 shipping: the message was lost (broker down when the shipper committed, a worker crash).
+
+Row-level security: every task works inside `tenant_context(tenant)` (governance/tenancy.py).
+A batch of interaction ids may span tenants (the shipper ships several per batch), so
+build_steps first routes the ids to their tenants (the SECURITY DEFINER function
+steward_interaction_tenants: ids and tenant ids only), then builds each tenant's group in its
+own scope; beat tasks iterate the tenants.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from django.utils import timezone
 
 from governance.audit import record_event
 from governance.capture import CaptureError, build_step_fields
-from governance.models import Interaction, Step
+from governance.models import Interaction, Step, Tenant
 from governance.rawstore import RawPayloadUnavailable, decode_body, open_raw
+from governance.tenancy import interaction_tenants, tenant_context
 
 log = logging.getLogger("steward.capture")
 
@@ -42,10 +49,16 @@ def _quarantine(ia: Interaction, reason: str) -> None:
                 ia.pk, ia.flow_id, reason)
 
 
-def build_one(interaction_id: int, harness_version: str = "") -> tuple[str, int | None]:
+def build_one(interaction_id: int, harness_version: str = "",
+              tenant_id: int | None = None) -> tuple[str, int | None]:
     """Build the step of one interaction. Returns ("built" | "quarantined" | "skipped", tenant
-    id); skipped: not in state captured, or claimed by another worker right now."""
-    with transaction.atomic():
+    id); skipped: not in state captured, or claimed by another worker right now (or unknown).
+    `tenant_id`: the interaction's tenant when the caller knows it (else it is looked up)."""
+    if tenant_id is None:
+        tenant_id = interaction_tenants([interaction_id]).get(interaction_id)
+        if tenant_id is None:
+            return "skipped", None
+    with tenant_context(tenant_id):
         ia = (Interaction.objects.select_for_update(skip_locked=True, of=("self",))
               .select_related("data_key")
               .filter(pk=interaction_id, state=Interaction.State.CAPTURED).first())
@@ -98,24 +111,37 @@ def build_one(interaction_id: int, harness_version: str = "") -> tuple[str, int 
 @shared_task(name="governance.tasks.build_steps",
              autoretry_for=(OperationalError, InterfaceError), max_retries=5,
              retry_backoff=True, retry_backoff_max=60, retry_jitter=True)
-def build_steps(interaction_ids: list[int]) -> dict[str, int]:
+def build_steps(interaction_ids: list[int], tenant_id: int | None = None) -> dict[str, int]:
+    """Build the steps of these interactions. `tenant_id` (optional): they all belong to this
+    tenant — ids of any other tenant are then invisible and skipped."""
     harness = getattr(settings, "STEWARD_HARNESS_VERSION", "")
     results: dict[str, list[int]] = {"built": [], "quarantined": [], "skipped": []}
-    # One transaction for the batch (each interaction in its own savepoint), so the audit
-    # event — the raw payloads were read by the system and steps written — commits with them.
+    pks = [int(pk) for pk in interaction_ids]
+    routes = ({pk: tenant_id for pk in pks} if tenant_id is not None
+              else interaction_tenants(pks))
+    groups: dict[int, list[int]] = {}
+    for pk in pks:
+        if pk in routes:
+            groups.setdefault(routes[pk], []).append(pk)
+        else:
+            results["skipped"].append(pk)  # no such interaction (erased, purged)
+    # One transaction for the batch (each interaction in its own savepoint; each tenant's
+    # group in its own row-level security scope), so the audit event — the raw payloads were
+    # read by the system and steps written — commits with them.
     with transaction.atomic():
-        by_tenant: dict[int, dict[str, list[int]]] = {}
-        for pk in interaction_ids:
-            outcome, tenant_id = build_one(int(pk), harness)
-            results[outcome].append(int(pk))
-            if tenant_id is not None:
-                by_tenant.setdefault(tenant_id, {"built": [], "quarantined": []})[
-                    outcome].append(int(pk))
-        for tenant_id, done in by_tenant.items():
-            ids = done["built"] + done["quarantined"]
-            record_event(ACTOR, "capture.steps_built", tenant=tenant_id,
-                         object_type="interaction", object_id=f"{min(ids)}-{max(ids)}",
-                         payload=done)
+        for group_tenant, group in groups.items():
+            with tenant_context(group_tenant):
+                done: dict[str, list[int]] = {"built": [], "quarantined": []}
+                for pk in group:
+                    outcome, owner = build_one(pk, harness, group_tenant)
+                    results[outcome].append(pk)
+                    if owner is not None:
+                        done[outcome].append(pk)
+                ids = done["built"] + done["quarantined"]
+                if ids:
+                    record_event(ACTOR, "capture.steps_built", tenant=group_tenant,
+                                 object_type="interaction", object_id=f"{min(ids)}-{max(ids)}",
+                                 payload=done)
     log.info("capture: built %d steps, quarantined %d, skipped %d", len(results["built"]),
              len(results["quarantined"]), len(results["skipped"]))
     return {k: len(v) for k, v in results.items()}
@@ -125,15 +151,21 @@ def build_steps(interaction_ids: list[int]) -> dict[str, int]:
 def build_pending_steps() -> int:
     """Re-queue interactions left `captured` for over a minute (their message was lost)."""
     cutoff = timezone.now() - PENDING_AFTER
-    ids = list(Interaction.objects.filter(state=Interaction.State.CAPTURED,
-                                          shipped_at__lt=cutoff)
-               .order_by("pk").values_list("pk", flat=True)[:PENDING_MAX])
-    for i in range(0, len(ids), PENDING_BATCH):
-        build_steps.delay(ids[i:i + PENDING_BATCH])
-    if ids:
-        log.warning("capture: re-queued %d interactions still captured after %s", len(ids),
+    total = 0
+    for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
+        if total >= PENDING_MAX:
+            break
+        with tenant_context(tenant_id):
+            ids = list(Interaction.objects.filter(state=Interaction.State.CAPTURED,
+                                                  shipped_at__lt=cutoff)
+                       .order_by("pk").values_list("pk", flat=True)[:PENDING_MAX - total])
+        for i in range(0, len(ids), PENDING_BATCH):
+            build_steps.delay(ids[i:i + PENDING_BATCH], tenant_id=tenant_id)
+        total += len(ids)
+    if total:
+        log.warning("capture: re-queued %d interactions still captured after %s", total,
                     PENDING_AFTER)
-    return len(ids)
+    return total
 
 
 @shared_task(name="governance.tasks.purge_expired")

@@ -27,12 +27,12 @@ import orjson
 
 log = logging.getLogger("steward.keys")
 
-PROBE_SQL = "SELECT count(*), max(updated_at) FROM governance_proxykey"
+# SECURITY DEFINER functions (migration 0004): the key table spans every tenant, which the
+# app role cannot read directly under row-level security. They return hashes and ids only.
+PROBE_SQL = "SELECT key_count, max_updated_at FROM steward_proxy_keys_version()"
 LOAD_SQL = """
-SELECT k.key_hash, k.id, k.tenant_id, t.slug, k.agent_id, a.name, k.revoked_at IS NOT NULL
-FROM governance_proxykey k
-JOIN governance_agent a ON a.id = k.agent_id
-JOIN governance_tenant t ON t.id = k.tenant_id
+SELECT key_hash, key_id, tenant_id, tenant_slug, agent_id, agent_name, revoked
+FROM steward_proxy_keys()
 """
 
 

@@ -9,6 +9,9 @@ advance the segment's offset, then delete a closed segment that is fully shipped
 database down -> nothing advances, the spool grows, the shipper retries with a bounded backoff;
 a crash between COMMIT and the offset write -> the batch is read again and inserts nothing new.
 
+Row-level security: a batch may hold several tenants' records; each tenant's group is stored in
+its own tenant scope (governance.tenancy.tenant_context) inside the batch's one transaction.
+
 Newly inserted interactions are handed to Celery (`governance.tasks.build_steps`) on commit; a
 lost message is picked up by the beat task `build_pending_steps`.
 
@@ -52,6 +55,7 @@ from governance.rawstore import (
     seal_raw,
     unwrap,
 )
+from governance.tenancy import tenant_context
 from proxy.spool import (
     SegmentBatch,
     commit_offset,
@@ -266,13 +270,40 @@ class Shipper:
 
     # -- the transaction -----------------------------------------------------------------
     def _insert(self, batch: SegmentBatch) -> tuple[list[int], int, int, list[dict]]:
-        records = batch.records
-        agent_ids = {r.get("agent_id") for r in records
-                     if isinstance(r, dict) and _is_int(r.get("agent_id"))}
+        """Store a batch in the current transaction: the records of each tenant in that
+        tenant's row-level security scope (governance.tenancy.tenant_context: one
+        set_config(..., true) per group, several groups in this one transaction), so a record
+        can only ever be written as the tenant it names — and only with that tenant's agents
+        and trajectories visible."""
+        groups: dict[int | None, list[Any]] = defaultdict(list)
+        for rec in batch.records:
+            tenant_id = rec.get("tenant_id") if isinstance(rec, dict) else None
+            groups[tenant_id if _is_int(tenant_id) else None].append(rec)
+        new_ids: list[int] = []
+        quarantined = duplicates = 0
+        dead: list[dict] = []
+        seen: set[str] = set()  # flow ids of this batch, across tenants
+        for tenant_id, records in groups.items():
+            if tenant_id is None:  # no tenant to store them under: dead letters
+                dead.extend(self._prepare(records, {})[1])
+                continue
+            with tenant_context(tenant_id):
+                ids, n_quarantined, n_duplicates, tenant_dead = self._insert_tenant(
+                    batch, tenant_id, records, seen)
+            new_ids.extend(ids)
+            quarantined += n_quarantined
+            duplicates += n_duplicates
+            dead.extend(tenant_dead)
+        return sorted(new_ids), quarantined, duplicates, dead
+
+    def _insert_tenant(self, batch: SegmentBatch, tenant_id: int, records: list[Any],
+                       seen: set[str]) -> tuple[list[int], int, int, list[dict]]:
+        """One tenant's records, inside its scope: agents of other tenants are invisible, so a
+        record naming one is dead-lettered ("does not exist in tenant")."""
+        agent_ids = {r.get("agent_id") for r in records if _is_int(r.get("agent_id"))}
         agents = dict(Agent.objects.filter(pk__in=agent_ids).values_list("id", "tenant_id"))
         prepared, dead = self._prepare(records, agents)
         # The same flow twice in one batch (a proxy retrying its append): keep the first.
-        seen: set[str] = set()
         unique = []
         for p in prepared:
             if p.flow_id not in seen:
@@ -370,7 +401,8 @@ class Shipper:
                        .values_list("flow_id", flat=True)) if rest else set()
         for row, p in zip(rows, storable, strict=True):
             if row.flow_id not in inserted_flows and row.flow_id not in existing:
-                # Not inserted and not there: the step id collided with another flow's.
+                # Not inserted and not there (in this tenant): the step id collided with
+                # another flow's (or the flow id is another tenant's).
                 dead.append({"reason": f"step_id {row.step_id} already used by another flow",
                              "record": p.record})
                 log.error("shipper: dead-lettered flow %s (tenant %s): step id %s collides",
@@ -394,12 +426,9 @@ class Shipper:
             if subject:
                 Trajectory.objects.filter(pk=tid, subject_hash="").update(subject_hash=subject)
 
-        per_tenant: dict[int, list[tuple[int, str]]] = defaultdict(list)
-        for pk, _flow, state in inserted:
-            per_tenant[by_flow[_flow].tenant_id].append((pk, state))
-        for tenant_id, items in per_tenant.items():
-            ids = [pk for pk, _ in items]
-            quarantined = [pk for pk, s in items if s == Interaction.State.QUARANTINED]
+        if inserted:
+            ids = [pk for pk, _, _ in inserted]
+            quarantined = [pk for pk, _, s in inserted if s == Interaction.State.QUARANTINED]
             record_event(ACTOR, "capture.shipped", tenant=tenant_id, object_type="interaction",
                          object_id=f"{min(ids)}-{max(ids)}",
                          payload={"inserted": len(ids), "quarantined": quarantined,

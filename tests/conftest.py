@@ -64,15 +64,39 @@ def api_client_for():
     return make
 
 
+# The role the services run as (NOBYPASSRLS, owns nothing), as in production.
+APP_ROLE = "steward_app"
+
+
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup, django_db_blocker):
-    """The audit log and rewards refuse TRUNCATE (migration 0003) unless the database sets
-    `steward.allow_truncate`; only the test database does, so Django can flush it between
-    transactional tests."""
+    """Test database set-up, after pytest-django created and migrated it as DATABASE_URL's user
+    (the superuser, which owns the tables and bypasses row-level security):
+
+    - The audit log and rewards refuse TRUNCATE (migration 0003) unless the database sets
+      `steward.allow_truncate`; only the test database does, so Django can flush it between
+      transactional tests.
+    - Row-level security for real: the app role exists with production's grants
+      (governance.tenancy.grant_app_privileges), and STEWARD_DB_SCOPE_ROLE makes every tenant,
+      system and request scope (governance/tenancy.py) assume it for its transaction. So all
+      code under test that runs in a scope — services, requests, tasks, the shipper, retention —
+      sees only its tenant's rows and has only the app role's privileges, while fixtures and
+      assertions outside any scope read and write as the superuser (across tenants, and able to
+      tamper like a superuser would). tests/test_rls.py also runs flows on connections that are
+      the app role throughout."""
+    from django.conf import settings
     from django.db import connection
+
+    from governance.tenancy import ensure_app_role, grant_app_privileges
 
     with django_db_blocker.unblock():
         name = connection.settings_dict["NAME"]
         with connection.cursor() as cursor:
             cursor.execute(f'ALTER DATABASE "{name}" SET steward.allow_truncate = \'on\'')
+            ensure_app_role(cursor, APP_ROLE, login=False)
+            grant_app_privileges(cursor, APP_ROLE)
         connection.close()  # new connections pick the setting up
+    previous = settings.STEWARD_DB_SCOPE_ROLE
+    settings.STEWARD_DB_SCOPE_ROLE = APP_ROLE
+    yield
+    settings.STEWARD_DB_SCOPE_ROLE = previous

@@ -50,11 +50,28 @@ def wait_for_port(port: int, timeout: float = 30.0, process: subprocess.Popen | 
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
 
 
-def database_url_from_django() -> str:
-    """A libpq URL for the database Django is connected to (the test database in tests)."""
+def database_url_from_django(role: str | None = None) -> str:
+    """A libpq URL for the database Django is connected to (the test database in tests).
+    `role`: the connection assumes it at start (options=-c role=...), e.g. the app role
+    steward_app, so row-level security applies to it as in production."""
     from django.db import connection
 
     s = connection.settings_dict
+    url = _libpq_url(s)
+    if role:
+        url += ("&" if "?" in url else "?") + "options=" + quote(f"-c role={role}", safe="")
+    return url
+
+
+def proxy_database_role() -> str | None:
+    """The role the proxy subprocess connects as: the app role once proxy/keys.py reads the
+    key table through the SECURITY DEFINER function steward_proxy_keys() (row-level security
+    shows the app role no key row otherwise), else DATABASE_URL's user as before."""
+    keys_source = (REPO / "proxy" / "keys.py").read_text()
+    return "steward_app" if "steward_proxy_keys" in keys_source else None
+
+
+def _libpq_url(s: dict) -> str:
     auth = quote(s.get("USER") or "", safe="")
     if s.get("PASSWORD"):
         auth += ":" + quote(s["PASSWORD"], safe="")
@@ -195,7 +212,7 @@ def start_proxy(transactional_db, tmp_path, mitmproxy_confdir) -> Iterator[Any]:
             **os.environ,
             "PYTHONPATH": str(REPO),
             "PYTHONUNBUFFERED": "1",  # the log file is read by tests while it runs
-            "DATABASE_URL": database_url_from_django(),
+            "DATABASE_URL": database_url_from_django(proxy_database_role()),
             "STEWARD_SPOOL_DIR": str(spool),
             "STEWARD_MASTER_KEY": os.environ["STEWARD_MASTER_KEY"],
             "STEWARD_UPSTREAM_API_KEY": UPSTREAM_API_KEY,

@@ -23,6 +23,7 @@ from governance import services
 from governance.crypto import token_hash
 from governance.management.commands._common import CLI_ACTOR
 from governance.models import ApiToken, Membership, ProxyKey, Role
+from governance.tenancy import tenant_context
 
 DEMO_TENANT = "demo"
 DEMO_ADMIN = "demo-admin"
@@ -84,6 +85,12 @@ class Command(BaseCommand):
 
     def ensure(self, stored: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         tenant, _ = services.create_tenant(CLI_ACTOR, DEMO_TENANT, "Demo")
+        # The checks below read the demo tenant's rows: row-level security shows them only
+        # inside its scope (the services called here join it).
+        with tenant_context(tenant):
+            return self._ensure(tenant, stored)
+
+    def _ensure(self, tenant: Any, stored: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         changed = False
 
         user = get_user_model().objects.filter(username=DEMO_ADMIN).first()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from governance.audit import verify_chain
-from governance.models import AuditEvent
+from governance.audit import audit_event_count, verify_chain
 
 
 class Command(BaseCommand):
@@ -20,4 +19,4 @@ class Command(BaseCommand):
         ok, bad_seq, reason = verify_chain()
         if not ok:
             raise CommandError(f"audit chain BROKEN at seq {bad_seq}: {reason}")
-        self.stdout.write(f"audit chain OK: {AuditEvent.objects.count()} events")
+        self.stdout.write(f"audit chain OK: {audit_event_count()} events")
