@@ -134,6 +134,25 @@ def _psql(server, sql: str, database: str) -> None:
         raise RuntimeError(f"embedded PostgreSQL set-up failed: {proc.stderr.strip()}")
 
 
+_ensured: dict[Path, tuple[str, str]] = {}
+
+
+def ensure_embedded(var_dir: Path) -> tuple[str, str]:
+    """embedded_database_urls, once per process (the lazy backend calls it per connection)."""
+    key = Path(var_dir).resolve()
+    if key not in _ensured:
+        _ensured[key] = embedded_database_urls(var_dir)
+    return _ensured[key]
+
+
+def expected_database_urls(var_dir: Path) -> tuple[str, str]:
+    """The (app, owner) URLs of the embedded database without starting it: pgserver listens on
+    a Unix socket in its data directory."""
+    host = pgdata_dir(var_dir)
+    return (f"postgresql://{APP_ROLE}@/{DATABASE_NAME}?host={host}",
+            f"postgresql://{OWNER_ROLE}@/{DATABASE_NAME}?host={host}")
+
+
 def embedded_database_url(var_dir: Path) -> str:
     """The app role's URL of the embedded database (see embedded_database_urls)."""
     return embedded_database_urls(var_dir)[0]

@@ -85,16 +85,20 @@ def _database_urls() -> tuple[str, str]:
     url = os.environ.get("DATABASE_URL")
     if url:
         return url, os.environ.get("DATABASE_OWNER_URL", "")
-    # No server configured: attach to (or start) the embedded PostgreSQL under var/, which
-    # has both roles (steward_app and steward_owner; config/embedded.py).
-    from config.embedded import embedded_database_urls
+    # No server configured: the embedded PostgreSQL under var/, which has both roles
+    # (steward_app and steward_owner; config/embedded.py). It is started by the first database
+    # connection (config/embedded_backend), not here, so commands that need no database
+    # don't start it.
+    from config.embedded import expected_database_urls
 
-    app, owner = embedded_database_urls(VAR_DIR)
+    app, owner = expected_database_urls(VAR_DIR)
     return app, os.environ.get("DATABASE_OWNER_URL") or owner
 
 
 DATABASE_URL, DATABASE_OWNER_URL = _database_urls()
 DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+if not os.environ.get("DATABASE_URL"):
+    DATABASES["default"]["ENGINE"] = "config.embedded_backend"
 DATABASES["default"]["TEST"] = {"NAME": os.environ.get("STEWARD_TEST_DATABASE", "test_steward")}
 # Tests only: a role every tenant/system/request scope assumes for its transaction (see
 # governance/tenancy.py). Production leaves it empty: DATABASE_URL's own role applies.
