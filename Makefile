@@ -40,6 +40,8 @@ test: install  ## ruff, then the whole pytest suite
 
 bench: install  ## benchmarks (tests/bench), figures go to stdout
 	$(VENV)/bin/python tests/bench/proxy_overhead.py
+	$(VENV)/bin/python -m tests.bench.sanitize_eval
+	$(VENV)/bin/python tests/bench/grpo_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
