@@ -25,8 +25,10 @@ def env_int(name: str, default: int) -> int:
 
 DEBUG = env_bool("STEWARD_DEBUG", False)
 # The embedded appliance generates a secret under var/ on first start; production sets it.
+# The fallback's "django-insecure-" prefix makes `manage.py check --deploy` flag it
+# (security.W009) if a deployment forgot to set one.
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or os.environ.get(
-    "STEWARD_SECRET_KEY", "insecure-dev-key-set-DJANGO_SECRET_KEY-in-production"
+    "STEWARD_SECRET_KEY", "django-insecure-steward-dev-key-set-DJANGO_SECRET_KEY-in-production"
 )
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("STEWARD_ALLOWED_HOSTS", "*").split(",") if h]
 CSRF_TRUSTED_ORIGINS = [
@@ -43,6 +45,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "django_htmx",
     "governance",
+    "trainer",
 ]
 
 MIDDLEWARE = [
@@ -52,6 +55,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "governance.session_timeout.AbsoluteSessionTimeoutMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
@@ -136,6 +140,13 @@ SPECTACULAR_SETTINGS = {
     "erasure, datasets, approvals and training.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Several models have a `status`: name each choice set after its model, not a hash.
+    "ENUM_NAME_OVERRIDES": {
+        "DatasetVersionStatusEnum": "governance.models.DatasetVersion.Status",
+        "CheckpointStatusEnum": "trainer.models.Checkpoint.Status",
+        "TrainingJobStatusEnum": "trainer.models.TrainingJob.Status",
+        "ErasureRequestStatusEnum": "governance.models.ErasureRequest.Status",
+    },
 }
 
 # --- Celery -----------------------------------------------------------------------------
@@ -155,6 +166,9 @@ CELERY_TASK_ROUTES = {
     "governance.tasks.build_steps": {"queue": "capture"},
     "governance.tasks.build_pending_steps": {"queue": "capture"},
     "governance.tasks.purge_expired": {"queue": "capture"},
+    "governance.erasure.erase_subject": {"queue": "capture"},
+    "governance.erasure.resume_erasures": {"queue": "capture"},
+    "trainer.tasks.run_training_job": {"queue": "gpu"},
 }
 CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)
 CELERY_BEAT_SCHEDULE: dict = {
@@ -162,6 +176,11 @@ CELERY_BEAT_SCHEDULE: dict = {
     "build-pending-steps": {"task": "governance.tasks.build_pending_steps", "schedule": 60.0},
     # Retention: bounded batches, one audit event per batch.
     "purge-expired": {"task": "governance.tasks.purge_expired", "schedule": 3600.0},
+    # Re-sends jobs left in "queued" (launch enqueues on commit; a broker outage loses it).
+    "enqueue-queued-training-jobs": {"task": "trainer.tasks.enqueue_queued_jobs",
+                                     "schedule": 300.0},
+    # Erasure requests whose message was lost or whose worker died.
+    "resume-erasures": {"task": "governance.erasure.resume_erasures", "schedule": 60.0},
 }
 
 # --- Steward ----------------------------------------------------------------------------
@@ -169,6 +188,8 @@ STEWARD_WEB_PORT = env_int("STEWARD_WEB_PORT", 8000)
 STEWARD_PROXY_PORT = env_int("STEWARD_PROXY_PORT", 8080)
 STEWARD_UPSTREAM_URL = os.environ.get("STEWARD_UPSTREAM_URL", "")
 STEWARD_SPOOL_DIR = Path(os.environ.get("STEWARD_SPOOL_DIR", VAR_DIR / "spool"))
+# How long an erasure waits for the local spool's segments to be shipped (governance/erasure.py).
+STEWARD_ERASURE_SPOOL_WAIT_S = float(os.environ.get("STEWARD_ERASURE_SPOOL_WAIT_S", "60"))
 # Master key (base64, 32 bytes) wraps every data key; from the env or a file.
 STEWARD_MASTER_KEY = os.environ.get("STEWARD_MASTER_KEY", "")
 STEWARD_MASTER_KEY_FILE = os.environ.get("STEWARD_MASTER_KEY_FILE", str(VAR_DIR / "master.key"))
@@ -188,13 +209,42 @@ LOGGING = {
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
 
-# Behind the nginx TLS front (deploy/nginx.conf) the scheme arrives in X-Forwarded-Proto.
-if env_bool("STEWARD_BEHIND_TLS_PROXY", False):
+# --- HTTPS, cookies, sessions ---------------------------------------------------------------
+# `steward up` serves plain http://127.0.0.1, so nothing here may require HTTPS by default.
+# Production sits behind the nginx TLS front (deploy/nginx.conf) and sets
+# STEWARD_BEHIND_TLS_PROXY=1: the scheme then arrives in X-Forwarded-Proto, and HTTPS-only
+# cookies, the HTTPS redirect and HSTS default to on (each can still be turned off alone).
+# `manage.py check --deploy` is clean with that (tests/test_deploy_check.py).
+BEHIND_TLS_PROXY = env_bool("STEWARD_BEHIND_TLS_PROXY", False)
+if BEHIND_TLS_PROXY:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env_bool("STEWARD_SSL_REDIRECT", BEHIND_TLS_PROXY)
+# HSTS is only sent over HTTPS. One year, subdomains and preload once TLS is configured; 0
+# turns it off (e.g. while trying TLS out: browsers remember the header for its lifetime).
+SECURE_HSTS_SECONDS = env_int("STEWARD_HSTS_SECONDS", 31_536_000 if BEHIND_TLS_PROXY else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("STEWARD_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("STEWARD_HSTS_PRELOAD", True)
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
 
-if not DEBUG:
-    SESSION_COOKIE_HTTPONLY = True
-    SESSION_COOKIE_SECURE = env_bool("STEWARD_SECURE_COOKIES", False)
-    CSRF_COOKIE_SECURE = env_bool("STEWARD_SECURE_COOKIES", False)
-    SECURE_CONTENT_TYPE_NOSNIFF = True
-    X_FRAME_OPTIONS = "DENY"
+# Cookies: never readable by scripts (the console sends the CSRF token from the page, see
+# templates/base.html), not sent on cross-site subrequests, HTTPS-only when so configured.
+SECURE_COOKIES = env_bool("STEWARD_SECURE_COOKIES", BEHIND_TLS_PROXY)
+_SAMESITE = os.environ.get("STEWARD_COOKIE_SAMESITE", "Lax").strip().capitalize()
+if _SAMESITE not in {"Lax", "Strict"}:
+    raise ValueError("STEWARD_COOKIE_SAMESITE must be Lax or Strict")
+SESSION_COOKIE_SECURE = SECURE_COOKIES
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = _SAMESITE
+CSRF_COOKIE_SECURE = SECURE_COOKIES
+CSRF_COOKIE_HTTPONLY = True
+CSRF_COOKIE_SAMESITE = _SAMESITE
+
+# Console sessions end after STEWARD_SESSION_IDLE_SECONDS without a request (the cookie's
+# expiry is pushed forward on every request) and, whatever the activity, after
+# STEWARD_SESSION_ABSOLUTE_SECONDS since login (governance/session_timeout.py).
+SESSION_COOKIE_AGE = env_int("STEWARD_SESSION_IDLE_SECONDS", 30 * 60)
+SESSION_SAVE_EVERY_REQUEST = True
+STEWARD_SESSION_ABSOLUTE_SECONDS = env_int("STEWARD_SESSION_ABSOLUTE_SECONDS", 12 * 3600)

@@ -15,15 +15,17 @@ answers 403, a ServiceConflict 409, any other ServiceError 400 — always with i
 
 from __future__ import annotations
 
+import base64
+import uuid
 from typing import Any, ClassVar
 
 from django.db.models import Model, QuerySet
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework import mixins, permissions, status, viewsets
+from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import APIException, PermissionDenied, ValidationError
+from rest_framework.exceptions import APIException, NotFound, PermissionDenied, ValidationError
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -35,8 +37,10 @@ from governance.models import (
     AuditEvent,
     Dataset,
     DatasetVersion,
+    ErasureRequest,
     RetentionPolicy,
     Reward,
+    Step,
     Trajectory,
 )
 from governance.permissions import HasTenantPermission
@@ -61,11 +65,13 @@ from governance.services import (
     ServiceConflict,
     ServiceError,
     ServiceForbidden,
+    ServiceGone,
     approve_version,
     create_dataset,
     delete_retention_policy,
     freeze_dataset_version,
     preview_dataset_count,
+    read_raw_payload,
     record_reward,
     reject_version,
     request_approval,
@@ -90,6 +96,12 @@ class Conflict(APIException):
     default_code = "conflict"
 
 
+class Gone(APIException):
+    status_code = status.HTTP_410_GONE
+    default_detail = "The data is destroyed for good."
+    default_code = "gone"
+
+
 def call_service(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run a service function, turning its refusals into DRF errors carrying the message."""
     try:
@@ -98,6 +110,8 @@ def call_service(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise PermissionDenied(str(exc)) from exc
     except ServiceConflict as exc:
         raise Conflict(str(exc)) from exc
+    except ServiceGone as exc:
+        raise Gone(str(exc)) from exc
     except ServiceError as exc:
         raise ValidationError({"non_field_errors": [str(exc)]}) from exc
 
@@ -192,11 +206,83 @@ class TrajectoryViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenant
         return Response(trajectory_document(self.get_object()))
 
     @extend_schema(responses={200: OpenApiResponse(
-        response=OpenApiTypes.OBJECT, description="The rewards joined onto this trajectory "
+        response={"type": "array", "items": {"type": "object", "additionalProperties": {}}},
+        description="The rewards joined onto this trajectory "
         "(by trajectory id or by the response id of any of its steps), oldest first.")})
     @action(detail=True, methods=["get"], pagination_class=None)
     def rewards(self, request: Request, pk: Any = None) -> Response:
         return Response(trajectory_rewards(self.get_object()))
+
+    @extend_schema(
+        parameters=[OpenApiParameter("reason", str, required=True,
+                                     description="Why the raw payload is read (audited as a "
+                                     "hash: the audit chain stays pseudonymous).")],
+        responses={
+            200: OpenApiResponse(response=OpenApiTypes.OBJECT, description=(
+                "The raw, unsanitized exchange behind a step: request and response headers "
+                "and exact bodies (base64, and as text when UTF-8). Compliance only; every "
+                "read writes the audit event `raw.read`.")),
+            400: OpenApiResponse(description="No reason given."),
+            410: OpenApiResponse(description="Destroyed for good: the raw retention ended "
+                                 "(ciphertext destroyed) or the subject was erased (data key "
+                                 "destroyed). The sanitized step remains."),
+        })
+    @action(detail=True, methods=["get"], pagination_class=None,
+            url_path=r"steps/(?P<step_id>[0-9a-fA-F-]{32,36})/raw",
+            required_permission="read_raw_payloads")
+    def raw(self, request: Request, pk: Any = None, step_id: str = "") -> Response:
+        reason = (request.query_params.get("reason") or "").strip()
+        if not reason:
+            raise ValidationError({"reason": ["Required: say why the raw payload is read "
+                                              "(the read is audited)."]})
+        if len(reason) > 2000:
+            raise ValidationError({"reason": ["At most 2000 characters."]})
+        trajectory = self.get_object()
+        try:
+            step_uuid = uuid.UUID(step_id)
+        except ValueError:
+            raise NotFound("No such step in this trajectory.") from None
+        step = (Step.objects.for_tenant(request.tenant)
+                .filter(trajectory=trajectory, pk=step_uuid).first())
+        if step is None:
+            raise NotFound("No such step in this trajectory.")
+        raw = call_service(read_raw_payload, request.user, step, reason)
+        response = Response(raw_payload_document(raw))
+        response["Cache-Control"] = "no-store"  # unsanitized: never kept by a cache
+        return response
+
+
+def _body_parts(value: Any) -> dict[str, Any]:
+    if not isinstance(value, str):
+        return {"body_base64": None, "body_text": None}
+    data = base64.b64decode(value)
+    try:
+        text: str | None = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    return {"body_base64": value, "body_text": text}
+
+
+def raw_payload_document(raw: Any) -> dict[str, Any]:
+    ex, ia = raw.exchange, raw.interaction
+    return {
+        "step_id": str(raw.step.pk),
+        "trajectory_id": str(raw.step.trajectory_id),
+        "interaction_id": ia.pk,
+        "endpoint": ia.endpoint,
+        "method": ex.get("method"),
+        "path": ex.get("path"),
+        "captured_at": ia.started_at.isoformat(),
+        "raw_expires_at": ia.raw_expires_at.isoformat() if ia.raw_expires_at else None,
+        "request": {"headers": ex.get("request_headers") or [],
+                    "is_json": bool(ex.get("request_is_json")),
+                    **_body_parts(ex.get("request_body"))},
+        "response": {"status": ex.get("response_status"),
+                     "headers": ex.get("response_headers"),
+                     "is_stream": bool(ex.get("is_stream")),
+                     **_body_parts(ex.get("response_body"))},
+        "error": ex.get("error"),
+    }
 
 
 REWARD_FILTERS = [
@@ -465,3 +551,54 @@ class AuditEventViewSet(mixins.ListModelMixin, TenantScopedViewSet):
         ok, bad_seq, reason = verify_chain()
         return Response({"ok": ok, "events": audit_event_count(),
                          "first_bad_seq": bad_seq, "reason": reason})
+
+
+# --- GDPR Art. 17 erasure -------------------------------------------------------------------
+
+
+class ErasureCreateSerializer(serializers.Serializer):
+    """The data subject: the X-Steward-Subject value, an email, a phone number, a name or
+    another identifier. Stored only as keyed hashes."""
+
+    subject = serializers.CharField(max_length=512, trim_whitespace=True, allow_blank=False,
+                                    write_only=True)
+
+
+class ErasureRequestSerializer(serializers.ModelSerializer):
+    """An erasure request; `certificate` is set once it completed (or its post-condition
+    failed)."""
+
+    class Meta:
+        model = ErasureRequest
+        fields = ["id", "status", "stage", "subject_hash", "progress", "created_at",
+                  "started_at", "finished_at", "certificate", "error"]
+        read_only_fields = fields
+
+
+@extend_schema(tags=["erasure"])
+class ErasureRequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                            TenantScopedViewSet):
+    """GDPR Art. 17 erasure requests. POST `{"subject": "..."}` answers 202 with the request's
+    id; a request for the same subject still pending or running is returned instead of a new
+    one. The job (governance/erasure.py) runs on Celery; GET shows its status and, when it is
+    completed, its certificate."""
+
+    model = ErasureRequest
+    serializer_class = ErasureRequestSerializer
+    pagination_class = CreatedAtCursorPagination
+    required_permission = "erase"
+
+    @extend_schema(request=ErasureCreateSerializer,
+                   responses={202: ErasureRequestSerializer, 400: OpenApiResponse(
+                       description="empty or oversized subject")})
+    def create(self, request: Request) -> Response:
+        from governance.erasure import ErasureError, request_erasure
+
+        body = ErasureCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            req, _ = request_erasure(request.user, request.tenant,
+                                     body.validated_data["subject"])
+        except ErasureError as exc:
+            raise ValidationError({"subject": [str(exc)]}) from exc
+        return Response(ErasureRequestSerializer(req).data, status=status.HTTP_202_ACCEPTED)

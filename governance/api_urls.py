@@ -7,6 +7,7 @@ from governance.api import (
     AuditEventViewSet,
     DatasetVersionViewSet,
     DatasetViewSet,
+    ErasureRequestViewSet,
     RetentionPolicyViewSet,
     RewardViewSet,
     TrajectoryViewSet,
@@ -20,9 +21,11 @@ router.register("datasets", DatasetViewSet, basename="dataset")
 router.register("dataset-versions", DatasetVersionViewSet, basename="dataset-version")
 router.register("retention-policies", RetentionPolicyViewSet, basename="retention-policy")
 router.register("audit", AuditEventViewSet, basename="audit")
+router.register("erasure-requests", ErasureRequestViewSet, basename="erasure-request")
 
 urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("v1/atdp/schema/", AtdpSchemaView.as_view(), name="atdp-schema"),
     path("v1/", include(router.urls)),
+    path("v1/", include("trainer.api_urls")),  # training-jobs, checkpoints, exports
 ]

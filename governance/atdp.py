@@ -1,8 +1,13 @@
 """ATDP v1: the trajectory document served by the API (and exported as JSONL).
 
 The schema lives in governance/schemas/atdp-v1.schema.json (JSON Schema draft 2020-12) and is
-served at /api/v1/atdp/schema/. `trajectory_document(traj)` builds one document with two
-queries: the steps, and the rewards.
+served at /api/v1/atdp/schema/. `trajectory_document(traj)` builds one document with three
+queries: the steps (with their sanitizer findings counted by entity type), the rewards, and the
+calls of the trajectory that are not a step (quarantined, or not built yet).
+
+Governance fields are true values: each step was sanitized before it was stored
+(`sanitizer_version`), `training_eligible` (consent train, no error), and `findings` counts by
+entity type — never a value.
 
 Two things are computed when the document is served, never stored, so history is never mutated:
 - a step's `action_result`: the tool results for its tool calls, taken from the first later
@@ -15,12 +20,14 @@ Two things are computed when the document is served, never stored, so history is
 from __future__ import annotations
 
 import json
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
-from django.db.models import Q
+from django.db.models import JSONField, Q, QuerySet
+from django.db.models.expressions import RawSQL
 
-from governance.models import Consent, Reward, Step, Trajectory
+from governance.models import Consent, Interaction, Reward, Step, Trajectory
 
 ATDP_VERSION = "1.0"
 SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "atdp-v1.schema.json"
@@ -99,17 +106,45 @@ def action_results(steps: list[Step]) -> list[dict | None]:
     return found
 
 
-def step_governance(step: Step) -> dict:
+def step_governance(step: Step, findings: dict[str, int] | None = None) -> dict:
     return {
         "consent": step.consent,
         "classification": step.classification,
         "retention_until": _iso(step.retention_until),
         "sanitizer_version": step.sanitizer_version,
         "training_eligible": step.training_eligible,
+        # What the sanitizer found and replaced, by entity type: counts only, never values.
+        "findings": dict(sorted((findings or {}).items())),
     }
 
 
-def step_document(step: Step, index: int, action_result: dict | None) -> dict:
+# A step's findings by entity type, as one JSON object: annotated onto the steps query, so
+# the document still costs one query for its steps.
+FINDING_COUNTS_SQL = (
+    "SELECT coalesce(jsonb_object_agg(x.entity_type, x.n), '{}'::jsonb) FROM ("
+    "SELECT f.entity_type, count(*) AS n FROM governance_finding f "
+    "WHERE f.step_id = governance_step.id GROUP BY f.entity_type) x")
+
+
+def with_finding_counts(steps: QuerySet) -> QuerySet:
+    """Steps annotated with `finding_counts` ({entity type: count})."""
+    return steps.annotate(finding_counts=RawSQL(FINDING_COUNTS_SQL, [],
+                                                output_field=JSONField()))
+
+
+def quarantined_interactions(traj: Trajectory) -> list[dict]:
+    """The trajectory's calls that never became a step: quarantined (unparseable, or the
+    sanitizer failed — never training-eligible) or not built yet."""
+    rows = (Interaction.objects.filter(trajectory_id=traj.pk)
+            .exclude(state=Interaction.State.PROCESSED)
+            .order_by("started_at", "pk")
+            .values_list("step_id", "state", "state_reason", "started_at"))
+    return [{"step_id": str(step_id), "state": state, "reason": reason,
+             "started_at": _iso(started_at)} for step_id, state, reason, started_at in rows]
+
+
+def step_document(step: Step, index: int, action_result: dict | None,
+                  findings: dict[str, int] | None = None) -> dict:
     return {
         "index": index,
         "id": str(step.id),
@@ -128,7 +163,7 @@ def step_document(step: Step, index: int, action_result: dict | None) -> dict:
         "versions": step.versions or {},
         "metadata": step.metadata or {},
         "error": step.error,
-        "governance": step_governance(step),
+        "governance": step_governance(step, findings),
     }
 
 
@@ -165,11 +200,18 @@ def trajectory_rewards(traj: Trajectory, steps: list[Step] | None = None) -> lis
 
 
 def trajectory_document(traj: Trajectory) -> dict:
-    """The ATDP v1 document of one trajectory (select_related("tenant", "agent") on `traj`
-    saves two queries)."""
-    steps = list(Step.objects.filter(trajectory=traj).order_by("started_at", "id"))
+    """The ATDP v1 document of one trajectory in three queries: steps (with their finding
+    counts), rewards, calls not built (select_related("tenant", "agent") on `traj` saves two
+    more)."""
+    steps = list(with_finding_counts(Step.objects.filter(trajectory=traj))
+                 .order_by("started_at", "id"))
     results = action_results(steps)
-    step_docs = [step_document(s, i, results[i]) for i, s in enumerate(steps)]
+    step_docs = [step_document(s, i, results[i], s.finding_counts)
+                 for i, s in enumerate(steps)]
+    totals: Counter[str] = Counter()
+    for s in steps:
+        totals.update(s.finding_counts or {})
+    unbuilt = quarantined_interactions(traj)
     rewards = trajectory_rewards(traj, steps)
     retention = [s.retention_until for s in steps if s.retention_until is not None]
     sanitizer = {s.sanitizer_version for s in steps}
@@ -193,8 +235,12 @@ def trajectory_document(traj: Trajectory) -> dict:
             "retention": {"until": _iso(min(retention)) if retention else None},
             # "" when any step is unsanitized: the trajectory as a whole is not sanitized yet.
             "sanitizer_version": sanitizer.pop() if len(sanitizer) == 1 else "",
+            # Like dataset selection (governance/datasets.py): every call built into an
+            # eligible step, none quarantined or waiting.
             "training_eligible": bool(steps) and traj.consent == Consent.TRAIN
-            and all(s.training_eligible for s in steps),
+            and all(s.training_eligible for s in steps) and not unbuilt,
+            "findings": dict(sorted(totals.items())),
+            "quarantined": unbuilt,
             "approval": None,
         },
     }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -246,6 +247,21 @@ class TokenAccumulator:
         if self.prompt_token_ids is None:
             self.prompt_token_ids = _int_list(choice.get("prompt_token_ids"))
 
+    def choice_fields(self) -> dict:
+        """What was accumulated, as the fields of one non-streamed choice (a reassembled
+        stream): absorbing them again gives the same `result()`."""
+        out: dict[str, Any] = {}
+        if self.logprobs:
+            out["logprobs"] = {"content": self.logprobs}
+        elif self.legacy:
+            out["logprobs"] = self.legacy
+        ids = self.token_ids or self.ids_from_logprobs
+        if ids:
+            out["token_ids"] = ids
+        if self.prompt_token_ids:
+            out["prompt_token_ids"] = self.prompt_token_ids
+        return out
+
     def result(self) -> dict:
         out: dict[str, Any] = {}
         ids = self.token_ids or self.ids_from_logprobs
@@ -397,6 +413,14 @@ class _ChatChoice:
         if isinstance(msg.get("function_call"), dict):
             self.function_call = msg["function_call"]
 
+    def as_choice(self) -> dict:
+        """This choice as a non-streamed `choices[]` entry (message, reasoning, tokens)."""
+        msg = self.message()
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        return {"index": self.index, "message": msg, "finish_reason": self.finish_reason,
+                **self.tokens.choice_fields()}
+
     def message(self) -> dict:
         msg: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
@@ -440,6 +464,14 @@ def parse_chat(body: dict) -> dict:
 
 def parse_chat_stream(events: list[tuple[str | None, dict]]) -> tuple[dict, dict, dict | None]:
     """(parsed result, top-level fields, error event or None)."""
+    body, error = reassemble_chat_stream(events)
+    return parse_chat(body), body, error
+
+
+def reassemble_chat_stream(events: list[tuple[str | None, dict]]) -> tuple[dict, dict | None]:
+    """A chat stream as the `chat.completion` object a non-streamed call would have returned
+    (content and tool-call argument fragments joined, logprobs and token ids gathered), and
+    the stream's error event or None. `parse_chat` of it is the streamed step."""
     choices: dict[int, _ChatChoice] = {}
     top: dict[str, Any] = {}
     error = None
@@ -470,7 +502,9 @@ def parse_chat_stream(events: list[tuple[str | None, dict]]) -> tuple[dict, dict
             if ch.get("finish_reason"):
                 c.finish_reason = ch["finish_reason"]
             c.tokens.absorb_choice(ch)
-    return _chat_result(choices, top), top, error
+    body = {**top, "object": "chat.completion",
+            "choices": [choices[k].as_choice() for k in sorted(choices)]}
+    return body, error
 
 
 # --- completions -----------------------------------------------------------------------------
@@ -504,6 +538,14 @@ def parse_completions(body: dict) -> dict:
 
 def parse_completions_stream(events: list[tuple[str | None, dict]]
                              ) -> tuple[dict, dict, dict | None]:
+    body, error = reassemble_completions_stream(events)
+    return parse_completions(body), body, error
+
+
+def reassemble_completions_stream(events: list[tuple[str | None, dict]]
+                                  ) -> tuple[dict, dict | None]:
+    """A completions stream as the `text_completion` object of a non-streamed call, and the
+    stream's error event or None."""
     choices: dict[int, dict] = {}
     toks: dict[int, TokenAccumulator] = {}
     top: dict[str, Any] = {}
@@ -527,7 +569,9 @@ def parse_completions_stream(events: list[tuple[str | None, dict]]
             if ch.get("finish_reason"):
                 c["finish_reason"] = ch["finish_reason"]
             toks.setdefault(idx, TokenAccumulator()).absorb_choice(ch)
-    return _completions_result(choices, toks, top), top, error
+    body = {**top, "object": "text_completion",
+            "choices": [{**choices[k], **toks[k].choice_fields()} for k in sorted(choices)]}
+    return body, error
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -649,9 +693,91 @@ def reassemble_responses_stream(events: list[tuple[str | None, dict]]
 
 # --- the step ---------------------------------------------------------------------------------
 
-def _error_of(status: int | None, transport_error: dict | None, resp_body: bytes | None,
-              stream_error: Any, non_json_request: bool) -> dict | None:
-    body = _loads_any(resp_body) if status is not None and status >= 400 else None
+# How much of a non-JSON error body a step keeps (sanitized) as the error message.
+ERROR_TEXT_CHARS = 500
+
+
+@dataclass
+class Exchange:
+    """One exchange parsed into JSON values, before anything is stored: what the sanitizer
+    rewrites (`request`, `response`, `error_body`, `error_text`, `stream_error`, the transport
+    error's message) and the facts it never touches. `fields_from_exchange` turns it into the
+    step, so a step is only ever built from these values — sanitized by the caller.
+
+    `response` is the body the agent received as one JSON object: the upstream's JSON, or a
+    stream reassembled into the object a non-streamed call would have returned (chat and
+    completions) or the final `response` object (Responses). None for a failed call (status
+    >= 400: see `error_body` / `error_text`) or when no body came."""
+
+    endpoint: str
+    request: dict | None  # None: the request body is not a JSON object
+    request_bytes: int
+    response: dict | None
+    response_status: int | None
+    is_stream: bool
+    transport_error: dict | None = None
+    error_body: Any = None  # status >= 400: the body parsed as JSON (object or array)
+    error_text: str | None = None  # status >= 400 and not JSON: its first characters
+    stream_error: Any = None  # an error event inside a stream
+    stream_meta: dict = field(default_factory=dict)
+
+    @property
+    def non_json_request(self) -> bool:
+        return self.request is None
+
+
+def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes | None,
+                   response_status: int | None, is_stream: bool,
+                   error: dict | None = None) -> Exchange:
+    """Parse the exact bytes of an exchange (streams reassembled). Raises `CaptureError` only
+    when nothing trustworthy can be built (see the module docstring)."""
+    if endpoint not in ENDPOINTS:
+        raise CaptureError(f"unknown endpoint {endpoint!r}")
+    request_body = request_body or b""
+    ex = Exchange(endpoint=endpoint, request=_loads_object(request_body),
+                  request_bytes=len(request_body), response=None,
+                  response_status=response_status, is_stream=is_stream,
+                  transport_error=dict(error) if isinstance(error, dict) else None)
+    transport_failed = bool(error) and error.get("kind") not in (None, "client_disconnected")
+    succeeded = (response_status is not None and 200 <= response_status < 300
+                 and not transport_failed)
+    if response_body and response_status is not None and response_status < 400:
+        if is_stream:
+            events, bad, done = sse_json_events(response_body)
+            if not events and succeeded and error is None:
+                raise CaptureError(f"{endpoint} stream has no parseable event "
+                                   f"({bad} undecodable)")
+            if bad:
+                ex.stream_meta["steward.stream.undecodable_events"] = bad
+            ex.stream_meta["steward.stream.done"] = done
+            if endpoint == "chat.completions":
+                ex.response, ex.stream_error = reassemble_chat_stream(events)
+            elif endpoint == "completions":
+                ex.response, ex.stream_error = reassemble_completions_stream(events)
+            else:
+                ex.response, ex.stream_error = reassemble_responses_stream(events)
+        else:
+            ex.response = _loads_object(response_body)
+            if ex.response is None and succeeded and error is None:
+                raise CaptureError(f"{endpoint} response ({response_status}) is not a JSON "
+                                   "object")
+    elif succeeded and not response_body and error is None:
+        raise CaptureError(f"{endpoint} response ({response_status}) has an empty body")
+    if response_status is not None and response_status >= 400 and response_body:
+        body = _loads_any(response_body)
+        if isinstance(body, (dict, list)):
+            ex.error_body = body
+        elif body is None:
+            ex.error_text = response_body[:ERROR_TEXT_CHARS].decode("utf-8", errors="replace")
+        else:  # a JSON scalar: kept as text
+            ex.error_text = str(body)[:ERROR_TEXT_CHARS]
+    return ex
+
+
+def _error_of(ex: Exchange) -> dict | None:
+    status = ex.response_status
+    body = ex.error_body
+    transport_error = ex.transport_error
     if transport_error:
         kind = transport_error.get("kind") or "upstream_error"
         message = transport_error.get("message") or ""
@@ -662,87 +788,55 @@ def _error_of(status: int | None, transport_error: dict | None, resp_body: bytes
             message = str(body["error"].get("message") or "")
         elif isinstance(body, dict) and isinstance(body.get("message"), str):
             message = body["message"]
-        elif resp_body and body is None:
-            message = resp_body[:500].decode("utf-8", errors="replace")
-    elif stream_error is not None:
+        elif ex.error_text:
+            message = ex.error_text
+    elif ex.stream_error is not None:
         kind = "stream_error"
+        stream_error = ex.stream_error
         message = str(stream_error.get("message") or "") if isinstance(stream_error, dict) \
             else str(stream_error)
         body = stream_error
-    elif non_json_request:
+    elif ex.non_json_request:
         kind = "non_json_request"
         message = "the request body is not a JSON object"
     else:
         return None
-    return {"status": status, "kind": kind, "message": message,
-            "body": body if isinstance(body, (dict, list)) else None}
+    return {"status": status, "kind": kind, "message": message if isinstance(message, str)
+            else str(message), "body": body if isinstance(body, (dict, list)) else None}
 
 
-def build_step_fields(*, endpoint: str, request_body: bytes, response_body: bytes | None,
-                      response_status: int | None, is_stream: bool,
-                      error: dict | None = None, t_request: float | None = None,
-                      t_first_byte: float | None = None, t_end: float | None = None,
-                      harness_version: str = "") -> dict:
-    """The content fields of a `governance.models.Step` for one exchange: request_model,
-    response_model, response_id, observation, hidden_state, action, tokens, usage, timings,
-    versions, metadata, error. Never raises on odd input except `CaptureError` (see module
-    docstring)."""
-    if endpoint not in ENDPOINTS:
-        raise CaptureError(f"unknown endpoint {endpoint!r}")
-    request_body = request_body or b""
-    req = _loads_object(request_body)
-    non_json_request = req is None
+def fields_from_exchange(ex: Exchange, *, t_request: float | None = None,
+                         t_first_byte: float | None = None, t_end: float | None = None,
+                         harness_version: str = "") -> dict:
+    """The content fields of a `governance.models.Step` for one (sanitized) exchange:
+    request_model, response_model, response_id, observation, hidden_state, action, tokens,
+    usage, timings, versions, metadata, error."""
+    endpoint = ex.endpoint
     metadata: dict[str, Any] = {"gen_ai.operation.name": OPERATION_NAMES[endpoint],
                                 "gen_ai.provider.name": "openai",
-                                "stream": is_stream}
-    if response_status is not None:
-        metadata["http.response.status_code"] = response_status
-    if non_json_request:
-        observation: dict[str, Any] = {"non_json": True, "bytes": len(request_body)}
+                                "stream": ex.is_stream}
+    if ex.response_status is not None:
+        metadata["http.response.status_code"] = ex.response_status
+    if ex.request is None:
+        observation: dict[str, Any] = {"non_json": True, "bytes": ex.request_bytes}
         metadata["steward.request.non_json"] = True
-        req = {}
+        req: dict = {}
     else:
+        req = ex.request
         observation = observation_of(endpoint, req)
+    metadata.update(ex.stream_meta)
 
-    transport_failed = bool(error) and error.get("kind") not in (None, "client_disconnected")
-    succeeded = (response_status is not None and 200 <= response_status < 300
-                 and not transport_failed)
     parsed: dict[str, Any] = {"action": {}, "hidden_state": {}, "tokens": {},
                               "finish_reasons": []}
     top: dict[str, Any] = {}
-    stream_error = None
-    if response_body and response_status is not None and response_status < 400:
-        if is_stream:
-            events, bad, done = sse_json_events(response_body)
-            if not events and succeeded and error is None:
-                raise CaptureError(f"{endpoint} stream has no parseable event "
-                                   f"({bad} undecodable)")
-            if bad:
-                metadata["steward.stream.undecodable_events"] = bad
-            metadata["steward.stream.done"] = done
-            if endpoint == "chat.completions":
-                parsed, top, stream_error = parse_chat_stream(events)
-            elif endpoint == "completions":
-                parsed, top, stream_error = parse_completions_stream(events)
-            else:
-                top, stream_error = reassemble_responses_stream(events)
-                parsed = parse_responses(top)
+    if ex.response is not None:
+        top = ex.response
+        if endpoint == "chat.completions":
+            parsed = parse_chat(top)
+        elif endpoint == "completions":
+            parsed = parse_completions(top)
         else:
-            body = _loads_object(response_body)
-            if body is None:
-                if succeeded and error is None:
-                    raise CaptureError(f"{endpoint} response ({response_status}) is not a JSON "
-                                       "object")
-            else:
-                top = body
-                if endpoint == "chat.completions":
-                    parsed = parse_chat(body)
-                elif endpoint == "completions":
-                    parsed = parse_completions(body)
-                else:
-                    parsed = parse_responses(body)
-    elif succeeded and not response_body and error is None:
-        raise CaptureError(f"{endpoint} response ({response_status}) has an empty body")
+            parsed = parse_responses(top)
 
     response_model = top.get("model") if isinstance(top.get("model"), str) else ""
     response_id = top.get("id") if isinstance(top.get("id"), str) else ""
@@ -753,7 +847,7 @@ def build_step_fields(*, endpoint: str, request_body: bytes, response_body: byte
         metadata["gen_ai.response.finish_reasons"] = parsed["finish_reasons"]
     if isinstance(top.get("system_fingerprint"), str):
         metadata["system_fingerprint"] = top["system_fingerprint"]
-    if error and error.get("kind") == "client_disconnected":
+    if ex.transport_error and ex.transport_error.get("kind") == "client_disconnected":
         metadata["steward.client_disconnected"] = True
 
     timings: dict[str, Any] = {}
@@ -774,6 +868,21 @@ def build_step_fields(*, endpoint: str, request_body: bytes, response_body: byte
         "timings": timings,
         "versions": versions_of(endpoint, req, response_model, harness_version),
         "metadata": metadata,
-        "error": _error_of(response_status, error, response_body, stream_error,
-                           non_json_request),
+        "error": _error_of(ex),
     }
+
+
+def build_step_fields(*, endpoint: str, request_body: bytes, response_body: bytes | None,
+                      response_status: int | None, is_stream: bool,
+                      error: dict | None = None, t_request: float | None = None,
+                      t_first_byte: float | None = None, t_end: float | None = None,
+                      harness_version: str = "") -> dict:
+    """The step fields of one exchange, unsanitized: `parse_exchange` then
+    `fields_from_exchange`. The pipeline (governance/tasks.py) sanitizes in between; this is
+    for tests and tools that look at the parser alone. Never raises on odd input except
+    `CaptureError` (see module docstring)."""
+    ex = parse_exchange(endpoint=endpoint, request_body=request_body,
+                        response_body=response_body, response_status=response_status,
+                        is_stream=is_stream, error=error)
+    return fields_from_exchange(ex, t_request=t_request, t_first_byte=t_first_byte,
+                                t_end=t_end, harness_version=harness_version)

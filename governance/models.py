@@ -33,6 +33,10 @@ TenantManager = models.Manager.from_queryset(TenantQuerySet)
 class Tenant(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
     name = models.CharField(max_length=200)
+    # The tenant's sanitizer policy overrides (governance.sanitizer.Policy.to_dict() shape:
+    # operators per entity type, allow/deny lists, score threshold); {} = the defaults. Read by
+    # governance.sanitizer.policy_for_tenant; changed through services.set_sanitizer_policy.
+    sanitizer_policy = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
@@ -155,6 +159,10 @@ class Trajectory(models.Model):
     started_at = models.DateTimeField(db_index=True)
     last_step_at = models.DateTimeField()
     step_count = models.PositiveIntegerField(default=0)
+    # governance.sanitizer.PlaceholderState JSON: placeholder numbering of this trajectory
+    # (`<PERSON_1>` is the same person in every step), keyed by HMACs under the tenant's
+    # secret — never a raw value. Locked (SELECT ... FOR UPDATE) while steps are built.
+    sanitizer_state = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TenantManager()
@@ -247,6 +255,74 @@ class Step(models.Model):
     class Meta:
         indexes = [
             models.Index(fields=["trajectory", "started_at"], name="step_traj_started"),
+        ]
+
+
+class Finding(models.Model):
+    """One thing the sanitizer found in a step's request or response: what (entity type,
+    recognizer, score), where (JSON path of the string, `value_path` inside an embedded JSON
+    document such as tool arguments, character offsets in the original string) and what was
+    done (operator). Never the value itself."""
+
+    class Side(models.TextChoices):
+        REQUEST = "request", "Request"
+        RESPONSE = "response", "Response"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="findings")
+    step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="findings")
+    interaction = models.ForeignKey(Interaction, null=True, blank=True,
+                                    on_delete=models.SET_NULL, related_name="findings")
+    side = models.CharField(max_length=8, choices=Side.choices)
+    entity_type = models.CharField(max_length=32)
+    path = models.CharField(max_length=512)
+    value_path = models.CharField(max_length=512, blank=True, default="")
+    start = models.PositiveIntegerField()
+    end = models.PositiveIntegerField()
+    score = models.FloatField()
+    recognizer = models.CharField(max_length=64)
+    operator = models.CharField(max_length=16)
+    sanitizer_version = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "entity_type"], name="finding_tenant_entity"),
+            models.Index(fields=["tenant", "created_at"], name="finding_tenant_created"),
+        ]
+
+
+class SubjectIndex(models.Model):
+    """Which trajectories are about a data subject, for erasure: one row per identifier the
+    sanitizer found in a step (email, phone, name, IBAN, ...: `hash` =
+    crypto.subject_hash(tenant, normalize_identifier(type, value))) and one per interaction
+    that named a subject in X-Steward-Subject (`entity_type` SUBJECT_HEADER, `hash` = the
+    interaction's subject_hash; `step` null when the interaction was quarantined). Keyed
+    hashes only: the index cannot be read back into identifiers."""
+
+    SUBJECT_HEADER = "SUBJECT_HEADER"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="subject_index")
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
+                                   related_name="subject_index")
+    step = models.ForeignKey(Step, null=True, blank=True, on_delete=models.CASCADE,
+                             related_name="subject_index")
+    interaction = models.ForeignKey(Interaction, null=True, blank=True,
+                                    on_delete=models.CASCADE, related_name="subject_index")
+    entity_type = models.CharField(max_length=32)
+    hash = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "hash"], name="subjectindex_tenant_hash"),
+        ]
+        constraints = [
+            models.UniqueConstraint(fields=["interaction", "entity_type", "hash"],
+                                    name="subjectindex_interaction_type_hash"),
         ]
 
 
@@ -439,4 +515,63 @@ class RetentionPolicy(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["tenant", "classification"],
                                     name="retention_tenant_classification"),
+        ]
+
+
+class ErasureRequest(models.Model):
+    """A GDPR Art. 17 erasure of one data subject in one tenant (governance/erasure.py). The
+    subject is stored only as keyed hashes: `subject_hash` (crypto.subject_hash of the subject
+    as given) and `lookup_hashes` (the same under each identifier type's normalisation — what
+    the subject index and the suppression list hold). The job is chunked and resumable: `stage`
+    and `progress` are saved with every batch."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        RUNNING = "running", "Running"
+        COMPLETED = "completed", "Completed"
+        FAILED = "failed", "Failed"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="erasure_requests")
+    subject_hash = models.CharField(max_length=64, db_index=True)
+    lookup_hashes = models.JSONField(default=list)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                     on_delete=models.SET_NULL, related_name="+")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING,
+                              db_index=True)
+    stage = models.CharField(max_length=16, blank=True, default="")
+    # Counts per kind so far, affected dataset versions and checkpoints, spool state.
+    progress = models.JSONField(default=dict, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    task_id = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    certificate = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+
+    objects = TenantManager()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "-created_at"], name="erasure_tenant_created")]
+
+
+class SuppressedSubject(models.Model):
+    """A keyed subject hash whose later captures are kept as metadata only: the shipper stores
+    no raw payload for it and the step builder builds no step (interaction quarantined,
+    reason "suppressed subject")."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
+                               related_name="suppressed_subjects")
+    subject_hash = models.CharField(max_length=64)
+    erasure_request = models.ForeignKey(ErasureRequest, null=True, blank=True,
+                                        on_delete=models.SET_NULL, related_name="suppressions")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "subject_hash"],
+                                    name="suppressed_tenant_subject"),
         ]

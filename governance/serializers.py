@@ -52,8 +52,10 @@ class TrajectoryFilterSerializer(serializers.Serializer):
 
 class RewardSerializer(serializers.ModelSerializer):
     trajectory_id = serializers.UUIDField(required=False, allow_null=True, default=None)
-    response_id = serializers.CharField(required=False, allow_blank=True, max_length=256,
-                                        default="")
+    # Read back as null when the reward names a trajectory (to_representation); null is
+    # accepted on input as "none" too, so the OpenAPI schema documents it as nullable.
+    response_id = serializers.CharField(required=False, allow_blank=True, allow_null=True,
+                                        max_length=256, default="")
     value = serializers.FloatField(help_text="a finite number")
     name = serializers.CharField(required=False, max_length=64, default="reward")
     final = serializers.BooleanField(required=False, default=True)

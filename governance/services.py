@@ -189,6 +189,11 @@ class ServiceConflict(ServiceError):
     """The object is not in a state that allows this: REST answers 409."""
 
 
+class ServiceGone(ServiceError):
+    """The data existed but is destroyed for good (retention, crypto-shredding): REST answers
+    410."""
+
+
 def _user(actor: Any) -> Any:
     return actor if hasattr(actor, "pk") else None
 
@@ -464,3 +469,87 @@ def delete_retention_policy(actor: Any, policy: Any) -> None:
                  object_type="retention_policy", object_id=policy.pk,
                  payload={"classification": policy.classification})
     policy.delete()
+
+
+# --- raw payloads and the sanitizer policy ----------------------------------------------------
+
+
+@dataclass
+class RawPayload:
+    """A decrypted raw exchange, as the proxy captured it (request and response headers and
+    the exact body bytes, base64)."""
+
+    step: Any
+    interaction: Any
+    exchange: dict[str, Any]
+
+
+@tenant_atomic("step.tenant_id")
+def read_raw_payload(actor: Any, step: Any, reason: str) -> RawPayload:
+    """Decrypt the raw, unsanitized exchange behind a step — for a compliance officer
+    (permission `read_raw_payloads`, checked by the caller), with a stated reason. The read is
+    audited (`raw.read`) in the same transaction; the audit payload holds the reason's SHA-256
+    and length only (the chain is pseudonymous). After the raw retention (ciphertext
+    destroyed) or erasure (data key destroyed) it is gone: ServiceGone."""
+    from governance.models import Interaction
+    from governance.rawstore import RawPayloadUnavailable, open_raw
+
+    reason = (reason or "").strip()
+    if not reason:
+        raise ServiceError("a reason is required to read a raw payload")
+    interaction = (Interaction.objects.for_tenant(step.tenant_id).select_related("data_key")
+                   .filter(step__pk=step.pk).first())
+    if interaction is None:
+        raise ServiceGone("the raw payload of this step is gone: its interaction was purged")
+    if interaction.raw_ciphertext is None:
+        expired = interaction.raw_expires_at
+        when = f" (raw retention ended {expired.isoformat()})" if expired else ""
+        raise ServiceGone("the raw payload of this step was destroyed by its retention"
+                          f"{when}; only the sanitized step remains")
+    try:
+        exchange = open_raw(interaction)
+    except RawPayloadUnavailable as exc:
+        raise ServiceGone(f"the raw payload of this step cannot be read any more: {exc}; "
+                          "only the sanitized step remains") from exc
+    except Exception as exc:  # tampered ciphertext or a wrong key: nothing to show
+        raise ServiceGone("the raw payload of this step does not decrypt "
+                          f"({type(exc).__name__}); only the sanitized step remains") from exc
+    record_event(actor, "raw.read", tenant=step.tenant_id, object_type="step",
+                 object_id=str(step.pk),
+                 payload={"trajectory": str(step.trajectory_id),
+                          "interaction": interaction.pk,
+                          "reason_sha256": _reason_digest(reason),
+                          "reason_length": len(reason)})
+    return RawPayload(step, interaction, exchange)
+
+
+@tenant_atomic("tenant")
+def set_sanitizer_policy(actor: Any, tenant: Tenant, policy: dict[str, Any]) -> Tenant:
+    """Replace the tenant's sanitizer policy overrides (operators per entity type, allow and
+    deny lists, score threshold, detect_organizations). Validated by building the Policy; the
+    audit event carries the operators and the list sizes, not the lists (they may name
+    people)."""
+    from governance.sanitizer import Policy
+
+    if not isinstance(policy, dict):
+        raise ServiceError("the sanitizer policy is a JSON object")
+    unknown = set(policy) - {"operators", "allow_list", "deny_list", "score_threshold",
+                             "detect_organizations"}
+    if unknown:
+        raise ServiceError(f"unknown sanitizer policy fields: {', '.join(sorted(unknown))}")
+    try:
+        parsed = Policy.from_dict(policy, secret=b"validation-only")
+    except (TypeError, ValueError) as exc:
+        raise ServiceError(f"invalid sanitizer policy: {exc}") from exc
+    stored = parsed.to_dict()
+    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    tenant.sanitizer_policy = stored
+    tenant.save(update_fields=["sanitizer_policy"])
+    record_event(actor, "sanitizer_policy.updated", tenant=tenant, object_type="tenant",
+                 object_id=tenant.pk,
+                 payload={"operators": stored["operators"],
+                          "allow_list": len(stored["allow_list"]),
+                          "deny_list": len(stored["deny_list"]),
+                          "score_threshold": stored["score_threshold"],
+                          "detect_organizations": stored["detect_organizations"]})
+    return tenant

@@ -1,11 +1,27 @@
-"""Celery tasks of the capture pipeline (queue "capture").
+"""Celery tasks of the capture pipeline (queue "capture"; the worker of `steward up` consumes
+capture, sanitize and celery).
 
-`build_steps(interaction_ids)` turns shipped interactions into ATDP steps: per interaction, one
-transaction claims the row (SELECT ... FOR UPDATE SKIP LOCKED, state `captured` only — so two
-workers given the same id, or a redelivered message, never build twice), decrypts the raw
-payload, builds the step with governance/capture.py and writes the Step together with the state
-change. An exchange that cannot be parsed is marked `quarantined` with its reason (it never
-becomes a step, so it is never training-eligible). Database errors retry with backoff.
+`build_steps(interaction_ids)` turns shipped interactions into sanitized ATDP steps, a batch at a
+time (the shipper enqueues one task per shipped batch of up to 100 interactions). Per tenant of
+the batch, in ONE transaction under that tenant's row-level security scope:
+
+1. claim the interactions (SELECT ... FOR UPDATE SKIP LOCKED, state `captured` only — so two
+   workers given the same id, or a redelivered message, never build twice);
+2. decrypt each raw payload and parse it (governance.capture.parse_exchange: streams are
+   reassembled into the body a non-streamed call returns);
+3. lock the trajectories (SELECT ... FOR UPDATE, in id order) and load their placeholder state;
+4. sanitize every exchange of the batch in ONE `Sanitizer.sanitize_bodies` call
+   (governance/sanitizing.py), each with its trajectory's state, in step order;
+5. build each step from the sanitized exchange only (governance.capture.fields_from_exchange) and
+   write steps, findings, subject-index rows, the interactions' state and the trajectories'
+   state, with the audit event.
+
+So no step ever holds unsanitized content. An exchange that cannot be decrypted or parsed is
+`quarantined` with its reason; one the sanitizer fails on is quarantined with the exception's
+class only (its message could quote the payload). A quarantined interaction has no step, so it is
+never training-eligible; stewards see it in the trajectory document. A step is eligible when its
+consent is `train` and it has no error. Database errors (a deadlock with the shipper included)
+roll the batch back and retry with backoff.
 
 `build_pending_steps()` (Celery beat) re-queues interactions still `captured` a minute after
 shipping: the message was lost (broker down when the shipper committed, a worker crash).
@@ -20,25 +36,59 @@ own scope; beat tasks iterate the tenants.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from datetime import timedelta
+from typing import Any
 
 from celery import shared_task
+from celery.signals import worker_init
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
 from governance.audit import record_event
-from governance.capture import CaptureError, build_step_fields
-from governance.models import Interaction, Step, Tenant
+from governance.capture import CaptureError, Exchange, fields_from_exchange, parse_exchange
+from governance.crypto import subject_hash
+from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
+from governance.models import (
+    Consent,
+    Finding,
+    Interaction,
+    Step,
+    SubjectIndex,
+    Tenant,
+    Trajectory,
+)
 from governance.rawstore import RawPayloadUnavailable, decode_body, open_raw
+from governance.sanitizer import SANITIZER_VERSION, PlaceholderState
+from governance.sanitizing import (
+    Sanitized,
+    finish_fields,
+    sanitize_exchanges,
+    sanitize_one,
+    sanitizer_for_tenant,
+)
 from governance.tenancy import interaction_tenants, tenant_context
 
 log = logging.getLogger("steward.capture")
+
+
+@worker_init.connect
+def _preload_sanitizer(**_: Any) -> None:
+    """Load the sanitizer (spaCy, recognizers: seconds) when a worker starts, before it takes
+    a task — in the parent process, so prefork children share it instead of each loading it
+    on its first batch (which would add that load to the capture lag)."""
+    if getattr(settings, "STEWARD_SANITIZER_PRELOAD", True):
+        from governance.sanitizer import get_sanitizer
+
+        get_sanitizer()
 
 ACTOR = "system:capture"
 PENDING_AFTER = timedelta(seconds=60)
 PENDING_BATCH = 100
 PENDING_MAX = 10_000
+# Interactions per sanitizer batch (one NER pass, one transaction).
+BATCH_MAX = 64
 
 
 def _quarantine(ia: Interaction, reason: str) -> None:
@@ -47,6 +97,207 @@ def _quarantine(ia: Interaction, reason: str) -> None:
     ia.save(update_fields=["state", "state_reason"])
     log.warning("capture: tenant %s: interaction %s (flow %s) quarantined: %s", ia.tenant_id,
                 ia.pk, ia.flow_id, reason)
+
+
+def _header_row(ia: Interaction, step_id: Any) -> SubjectIndex | None:
+    """The subject index row of an interaction that named a subject (X-Steward-Subject)."""
+    if not ia.subject_hash:
+        return None
+    return SubjectIndex(tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
+                        step_id=step_id, interaction=ia,
+                        entity_type=SubjectIndex.SUBJECT_HEADER, hash=ia.subject_hash)
+
+
+def _open(ia: Interaction) -> Exchange | str:
+    """The parsed exchange, or the reason to quarantine the interaction."""
+    try:
+        raw = open_raw(ia)
+        request_body = decode_body(raw.get("request_body")) or b""
+        response_body = decode_body(raw.get("response_body"))
+    except RawPayloadUnavailable as exc:
+        return f"raw payload unavailable: {exc}"
+    except Exception as exc:  # wrong key, tampered ciphertext, bad base64: never a step
+        return f"raw payload does not open: {type(exc).__name__}"
+    try:
+        return parse_exchange(
+            endpoint=ia.endpoint, request_body=request_body, response_body=response_body,
+            response_status=raw.get("response_status"), is_stream=bool(raw.get("is_stream")),
+            error=raw.get("error") if isinstance(raw.get("error"), dict) else None)
+    except CaptureError as exc:
+        return f"capture: {exc}"
+    except Exception as exc:  # a bug in a parser must not loop forever on one payload
+        log.exception("capture: parser failed on interaction %s", ia.pk)
+        return f"capture failed: {type(exc).__name__}"
+
+
+def _sanitize(tenant: Tenant, batch: list[tuple[Interaction, Exchange]],
+              states: dict[Any, PlaceholderState]
+              ) -> tuple[list[tuple[Interaction, Sanitized]], list[tuple[Interaction, str]]]:
+    """One sanitize_bodies call for the batch; if it raises, each exchange alone (from the
+    states as they were), so only the one the sanitizer fails on is quarantined."""
+    sanitizer = sanitizer_for_tenant(tenant)
+    # The failed call may have numbered values it never wrote: start again from here.
+    snapshot = {tid: st.to_json() for tid, st in states.items()}
+    try:
+        results = sanitize_exchanges(sanitizer, [(ex, states[ia.trajectory_id])
+                                                 for ia, ex in batch])
+        return [(ia, r) for (ia, _), r in zip(batch, results, strict=True)], []
+    except Exception as exc:
+        log.error("sanitizer: batch of %d failed (%s); retrying one by one", len(batch),
+                  type(exc).__name__)
+    for tid, data in snapshot.items():
+        states[tid] = PlaceholderState.from_json(data)
+    ok: list[tuple[Interaction, Sanitized]] = []
+    failed: list[tuple[Interaction, str]] = []
+    for ia, ex in batch:
+        state = states[ia.trajectory_id]
+        before = state.to_json()
+        try:
+            ok.append((ia, sanitize_one(sanitizer, ex, state)))
+        except Exception as exc:
+            states[ia.trajectory_id] = PlaceholderState.from_json(before)
+            # The class only: an exception message could quote the payload.
+            failed.append((ia, f"sanitizer failed: {type(exc).__name__}"))
+    return ok, failed
+
+
+def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
+                coalesce: bool = True) -> dict[str, list[int]]:
+    """Build the steps of these interactions of one tenant (see the module docstring). Runs
+    in the tenant's scope, in the caller's transaction or its own.
+
+    `coalesce`: when the batch is smaller than BATCH_MAX, also take the tenant's oldest other
+    interactions still waiting (`captured`, not locked by another worker) — adaptive batching:
+    when the workers fall behind, the shipper's many small batches become few large ones (one
+    NER pass, one transaction each), and the tasks of the interactions taken along find them
+    built and skip them. Returned under "coalesced" (not in "built"/"quarantined")."""
+    done: dict[str, list[int]] = {"built": [], "quarantined": [], "skipped": [],
+                                  "coalesced": []}
+    with tenant_context(tenant_id):
+        base = (Interaction.objects.for_tenant(tenant_id)
+                .select_for_update(skip_locked=True, of=("self",)).select_related("data_key")
+                .filter(state=Interaction.State.CAPTURED))
+        claimed = list(base.filter(pk__in=pks)[:len(pks)])
+        claimed_ids = {ia.pk for ia in claimed}
+        done["skipped"] = [pk for pk in pks if pk not in claimed_ids]
+        if claimed and coalesce and len(claimed) < BATCH_MAX:
+            claimed += list(base.exclude(pk__in=pks).order_by("pk")[:BATCH_MAX - len(claimed)])
+        if not claimed:
+            return done
+        claimed.sort(key=lambda ia: (ia.started_at, ia.pk))
+        requested = set(pks)
+        tenant = Tenant.objects.get(pk=tenant_id)
+        index_rows: list[SubjectIndex] = []
+
+        def quarantine(ia: Interaction, reason: str, index: bool = True) -> None:
+            _quarantine(ia, reason)
+            done["quarantined"].append(ia.pk)
+            # Erasure finds a quarantined interaction by its subject too (not one whose payload
+            # no longer opens: its key is gone — the subject was erased already).
+            row = _header_row(ia, None) if index else None
+            if row is not None:
+                index_rows.append(row)
+
+        parsed: list[tuple[Interaction, Exchange]] = []
+        for ia in claimed:
+            outcome = _open(ia)
+            if isinstance(outcome, str):
+                quarantine(ia, outcome, index=not outcome.startswith("raw payload"))
+            else:
+                parsed.append((ia, outcome))
+
+        trajectories = {t.pk: t for t in Trajectory.objects.select_for_update(of=("self",))
+                        .filter(pk__in={ia.trajectory_id for ia, _ in parsed}).order_by("pk")}
+        states = {tid: PlaceholderState.from_json(t.sanitizer_state)
+                  for tid, t in trajectories.items()}
+        sanitized, failed = _sanitize(tenant, parsed, states) if parsed else ([], [])
+        for ia, reason in failed:
+            quarantine(ia, reason)
+
+        existing = set(Step.objects.filter(pk__in=[ia.step_id for ia, _ in sanitized])
+                       .values_list("pk", flat=True))
+        # Erased subjects (governance/erasure.py): an exchange naming one (header or an
+        # identifier found in it) is kept as metadata only — no step, no raw payload.
+        ident_hashes = {ia.pk: {ia.subject_hash} | {subject_hash(ia.tenant_id, v)
+                                                    for _, v in r.identifiers}
+                        for ia, r in sanitized}
+        suppressed = suppressed_hashes(tenant_id, set().union(*ident_hashes.values()))
+        steps: list[Step] = []
+        findings: list[Finding] = []
+        built: list[int] = []
+        for ia, result in sanitized:
+            if ident_hashes[ia.pk] & suppressed:
+                quarantine(ia, SUPPRESSED_REASON, index=False)
+                Interaction.objects.filter(pk=ia.pk).update(
+                    raw_ciphertext=None, data_key=None, raw_expires_at=None)
+                continue
+            try:
+                fields = fields_from_exchange(
+                    result.exchange, t_request=ia.started_at.timestamp(),
+                    t_first_byte=ia.first_byte_at.timestamp() if ia.first_byte_at else None,
+                    t_end=ia.ended_at.timestamp() if ia.ended_at else None,
+                    harness_version=harness_version)
+                fields = finish_fields(fields, result)
+            except Exception as exc:
+                log.exception("capture: step fields failed on interaction %s", ia.pk)
+                quarantine(ia, f"capture failed: {type(exc).__name__}")
+                continue
+            built.append(ia.pk)
+            if ia.step_id in existing:
+                continue  # built before under this id (kept as it is: steps are immutable)
+            steps.append(Step(
+                id=ia.step_id, tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
+                interaction=ia, endpoint=ia.endpoint, started_at=ia.started_at,
+                ended_at=ia.ended_at, status_code=ia.status_code,
+                consent=ia.consent, classification="internal", retention_until=None,
+                sanitizer_version=SANITIZER_VERSION,
+                training_eligible=ia.consent == Consent.TRAIN and fields["error"] is None,
+                **fields,
+            ))
+            for f in result.findings:
+                findings.append(Finding(
+                    tenant_id=ia.tenant_id, step_id=ia.step_id, interaction=ia,
+                    side=f["side"], entity_type=f["entity_type"][:32],
+                    path=str(f.get("path") or "$")[:512],
+                    value_path=str(f.get("value_path") or "")[:512],
+                    start=int(f["start"]), end=int(f["end"]), score=float(f["score"]),
+                    recognizer=str(f.get("recognizer") or "")[:64],
+                    operator=str(f.get("operator") or "")[:16],
+                    sanitizer_version=SANITIZER_VERSION))
+            hashes = {(etype, subject_hash(ia.tenant_id, value))
+                      for etype, value in result.identifiers}
+            index_rows.extend(SubjectIndex(
+                tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id, step_id=ia.step_id,
+                interaction=ia, entity_type=etype[:32], hash=h) for etype, h in sorted(hashes))
+            row = _header_row(ia, ia.step_id)
+            if row is not None:
+                index_rows.append(row)
+
+        Step.objects.bulk_create(steps)
+        Finding.objects.bulk_create(findings, batch_size=1000)
+        SubjectIndex.objects.bulk_create(index_rows, batch_size=1000, ignore_conflicts=True)
+        if built:
+            Interaction.objects.filter(pk__in=built).update(
+                state=Interaction.State.PROCESSED, state_reason="")
+        for tid, traj in trajectories.items():
+            new_state = states[tid].to_json()
+            if new_state != (traj.sanitizer_state or {}):
+                Trajectory.objects.filter(pk=tid).update(sanitizer_state=new_state)
+        done["built"] = built
+        ids = done["built"] + done["quarantined"]
+        done["coalesced"] = [pk for pk in ids if pk not in requested]
+        if ids:
+            record_event(ACTOR, "capture.steps_built", tenant=tenant_id,
+                         object_type="interaction", object_id=f"{min(ids)}-{max(ids)}",
+                         payload={"built": done["built"], "quarantined": done["quarantined"],
+                                  "sanitizer_version": SANITIZER_VERSION,
+                                  "findings": dict(sorted(Counter(
+                                      f.entity_type for f in findings).items()))})
+    if done["coalesced"]:
+        taken = set(done["coalesced"])
+        done["built"] = [pk for pk in done["built"] if pk not in taken]
+        done["quarantined"] = [pk for pk in done["quarantined"] if pk not in taken]
+    return done
 
 
 def build_one(interaction_id: int, harness_version: str = "",
@@ -58,53 +309,11 @@ def build_one(interaction_id: int, harness_version: str = "",
         tenant_id = interaction_tenants([interaction_id]).get(interaction_id)
         if tenant_id is None:
             return "skipped", None
-    with tenant_context(tenant_id):
-        ia = (Interaction.objects.select_for_update(skip_locked=True, of=("self",))
-              .select_related("data_key")
-              .filter(pk=interaction_id, state=Interaction.State.CAPTURED).first())
-        if ia is None:
-            return "skipped", None
-        try:
-            raw = open_raw(ia)
-            request_body = decode_body(raw.get("request_body")) or b""
-            response_body = decode_body(raw.get("response_body"))
-        except RawPayloadUnavailable as exc:
-            _quarantine(ia, f"raw payload unavailable: {exc}")
-            return "quarantined", ia.tenant_id
-        except Exception as exc:  # wrong key, tampered ciphertext, bad base64: never a step
-            _quarantine(ia, f"raw payload does not open: {type(exc).__name__}: {exc}")
-            return "quarantined", ia.tenant_id
-        try:
-            fields = build_step_fields(
-                endpoint=ia.endpoint, request_body=request_body, response_body=response_body,
-                response_status=raw.get("response_status"), is_stream=bool(raw.get("is_stream")),
-                error=raw.get("error") if isinstance(raw.get("error"), dict) else None,
-                t_request=ia.started_at.timestamp(),
-                t_first_byte=ia.first_byte_at.timestamp() if ia.first_byte_at else None,
-                t_end=ia.ended_at.timestamp() if ia.ended_at else None,
-                harness_version=harness_version,
-            )
-        except CaptureError as exc:
-            _quarantine(ia, f"capture: {exc}")
-            return "quarantined", ia.tenant_id
-        except Exception as exc:  # a bug in a parser must not loop forever on one payload
-            log.exception("capture: parser failed on interaction %s", ia.pk)
-            _quarantine(ia, f"capture failed: {type(exc).__name__}: {exc}")
-            return "quarantined", ia.tenant_id
-        if not Step.objects.filter(pk=ia.step_id).exists():
-            Step.objects.create(
-                id=ia.step_id, tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
-                interaction=ia, endpoint=ia.endpoint, started_at=ia.started_at,
-                ended_at=ia.ended_at, status_code=ia.status_code,
-                consent=ia.consent, classification="internal", retention_until=None,
-                # Sanitization is a separate stage: until it ran, a step is not eligible.
-                sanitizer_version="", training_eligible=False,
-                **fields,
-            )
-        ia.state = Interaction.State.PROCESSED
-        ia.state_reason = ""
-        ia.save(update_fields=["state", "state_reason"])
-        return "built", ia.tenant_id
+    done = build_group(tenant_id, [interaction_id], harness_version, coalesce=False)
+    for outcome in ("built", "quarantined"):
+        if done[outcome]:
+            return outcome, tenant_id
+    return "skipped", None
 
 
 # Queue "capture" comes from CELERY_TASK_ROUTES (the task-level `queue` option is deprecated).
@@ -116,6 +325,7 @@ def build_steps(interaction_ids: list[int], tenant_id: int | None = None) -> dic
     tenant — ids of any other tenant are then invisible and skipped."""
     harness = getattr(settings, "STEWARD_HARNESS_VERSION", "")
     results: dict[str, list[int]] = {"built": [], "quarantined": [], "skipped": []}
+    coalesced = 0
     pks = [int(pk) for pk in interaction_ids]
     routes = ({pk: tenant_id for pk in pks} if tenant_id is not None
               else interaction_tenants(pks))
@@ -125,25 +335,18 @@ def build_steps(interaction_ids: list[int], tenant_id: int | None = None) -> dic
             groups.setdefault(routes[pk], []).append(pk)
         else:
             results["skipped"].append(pk)  # no such interaction (erased, purged)
-    # One transaction for the batch (each interaction in its own savepoint; each tenant's
-    # group in its own row-level security scope), so the audit event — the raw payloads were
-    # read by the system and steps written — commits with them.
+    # One transaction for the batch; each tenant's group in its own row-level security scope
+    # (build_group), so the audit events commit with the steps.
     with transaction.atomic():
         for group_tenant, group in groups.items():
-            with tenant_context(group_tenant):
-                done: dict[str, list[int]] = {"built": [], "quarantined": []}
-                for pk in group:
-                    outcome, owner = build_one(pk, harness, group_tenant)
-                    results[outcome].append(pk)
-                    if owner is not None:
-                        done[outcome].append(pk)
-                ids = done["built"] + done["quarantined"]
-                if ids:
-                    record_event(ACTOR, "capture.steps_built", tenant=group_tenant,
-                                 object_type="interaction", object_id=f"{min(ids)}-{max(ids)}",
-                                 payload=done)
-    log.info("capture: built %d steps, quarantined %d, skipped %d", len(results["built"]),
-             len(results["quarantined"]), len(results["skipped"]))
+            done = build_group(group_tenant, group, harness)
+            coalesced += len(done.pop("coalesced"))
+            for outcome, ids in done.items():
+                results[outcome].extend(ids)
+    log.info("capture: built %d steps, quarantined %d, skipped %d (and %d waiting ones taken "
+             "along)", len(results["built"]), len(results["quarantined"]),
+             len(results["skipped"]), coalesced)
+    # The ids asked for; interactions taken along are counted by their own (skipped) task.
     return {k: len(v) for k, v in results.items()}
 
 

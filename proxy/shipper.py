@@ -45,6 +45,7 @@ from governance.audit import record_event
 from governance.capture import ENDPOINTS
 from governance.crypto import master_key as configured_master_key
 from governance.crypto import subject_hash as keyed_subject_hash
+from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
 from governance.models import Agent, Consent, Interaction, Trajectory
 from governance.rawstore import (
     data_keys_for,
@@ -349,7 +350,11 @@ class Shipper:
             else:
                 storable.append(p)
 
-        keys = data_keys_for({(p.tenant_id, p.subject_hash) for p in storable})
+        # Erased subjects (governance/erasure.py): metadata only — no raw payload, no step,
+        # and no fresh data key for them.
+        suppressed = suppressed_hashes(tenant_id, {p.subject_hash for p in storable})
+        keys = data_keys_for({(p.tenant_id, p.subject_hash) for p in storable
+                              if p.subject_hash not in suppressed})
         plain_keys: dict[tuple[int, str], bytes] = {}
         expires = timezone.now() + timedelta(days=retention_days())
         rows: list[Interaction] = []
@@ -359,7 +364,11 @@ class Shipper:
             state = Interaction.State.CAPTURED
             reason = "; ".join(p.problems)
             ciphertext = None
-            if key_is_destroyed(key):
+            if p.subject_hash in suppressed:
+                state = Interaction.State.QUARANTINED
+                reason = "; ".join(filter(None, [reason, SUPPRESSED_REASON]))
+                key = None
+            elif key_is_destroyed(key):
                 # The subject was erased: never store a readable copy of new data about them.
                 state = Interaction.State.QUARANTINED
                 reason = "; ".join(filter(None, [reason, "data key destroyed (subject erased)"]))

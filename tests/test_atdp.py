@@ -13,6 +13,7 @@ from jsonschema import Draft202012Validator, FormatChecker
 
 from governance.atdp import SCHEMA_PATH, trajectory_document
 from governance.models import Trajectory
+from governance.sanitizer import SANITIZER_VERSION
 from governance.services import record_reward
 from tests.pipeline import chat_response, make_record, ship_and_build
 
@@ -142,7 +143,7 @@ def test_documents_validate_across_endpoints_and_failures(tenant, agent, tmp_pat
     assert counts["inserted"] == len(records)
 
     t = Trajectory.objects.select_related("tenant", "agent").get(pk=traj)
-    with django_assert_max_num_queries(2):
+    with django_assert_max_num_queries(3):  # steps + finding counts, rewards, unbuilt calls
         doc = trajectory_document(t)
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
@@ -166,10 +167,13 @@ def test_documents_validate_across_endpoints_and_failures(tenant, agent, tmp_pat
     assert kinds == ["http_error", "upstream_unreachable", "client_disconnected",
                      "http_error"]
     assert steps[-2]["observation"] == {"non_json": True, "bytes": 16}
+    # Every step sanitized by the pipeline; not eligible: some steps failed.
     assert doc["governance"] == {
         "consent": "train", "subject_hash_present": False, "classification": "internal",
-        "retention": {"until": None}, "sanitizer_version": "", "training_eligible": False,
-        "approval": None}
+        "retention": {"until": None}, "sanitizer_version": SANITIZER_VERSION,
+        "training_eligible": False, "findings": {}, "quarantined": [], "approval": None}
+    assert all(s["governance"]["sanitizer_version"] == SANITIZER_VERSION for s in steps)
+    assert [s["governance"]["training_eligible"] for s in steps][:2] == [True, True]
 
     rewards = {r["value"]: r for r in doc["rewards"]}
     assert set(rewards) == {1.0, 0.5}
@@ -197,6 +201,9 @@ def test_served_documents_validate(tenant, agent, make_member, api_client_for, t
         assert not errors, [e.message for e in errors[:5]]
     doc_b = client.get(f"/api/v1/trajectories/{b}/").json()
     assert doc_b["steps"] == [] and doc_b["governance"]["training_eligible"] is False
+    # The quarantined call is visible (its reason, never its content).
+    [q] = doc_b["governance"]["quarantined"]
+    assert q["state"] == "quarantined" and "not a JSON object" in q["reason"]
     doc_c = client.get(f"/api/v1/trajectories/{c}/").json()
     assert doc_c["governance"]["consent"] == "no-train"
     assert doc_c["governance"]["subject_hash_present"] is True

@@ -47,9 +47,13 @@ from governance.models import (
     Dataset,
     DatasetVersion,
     DatasetVersionMember,
+    ErasureRequest,
+    Finding,
     Interaction,
     ProxyKey,
     Step,
+    SubjectIndex,
+    SuppressedSubject,
     Tenant,
     Trajectory,
 )
@@ -62,6 +66,7 @@ from governance.tenancy import (
 )
 from tests.govdata import make_trajectory
 from tests.live import database_url_from_django
+from trainer.models import Checkpoint, TrainingJob, TrainingMetric
 
 ROOT = Path(__file__).resolve().parent.parent
 APP_ROLE = "steward_app"
@@ -70,7 +75,8 @@ EXPECTED_TABLES = {
     "governance_datakey", "governance_trajectory", "governance_interaction", "governance_step",
     "governance_reward", "governance_auditevent", "governance_dataset",
     "governance_datasetversion", "governance_datasetversionmember", "governance_approval",
-    "governance_retentionpolicy",
+    "governance_retentionpolicy", "governance_finding", "governance_subjectindex",
+    "trainer_trainingjob", "trainer_trainingmetric", "trainer_checkpoint",
 }
 
 
@@ -170,6 +176,23 @@ def world(tenant, other_tenant, make_member):
         v = DatasetVersion.objects.create(tenant=t, dataset=ds, number=1, content_hash="h")
         DatasetVersionMember.objects.create(tenant=t, version=v, trajectory=traj)
         Approval.objects.create(tenant=t, version=v, decision="reject", reason="r")
+        step = Step.objects.filter(trajectory=traj).first()
+        Finding.objects.create(tenant=t, step=step, interaction=step.interaction,
+                               side="request", entity_type="EMAIL_ADDRESS", path="$.x",
+                               start=0, end=5, score=0.9, recognizer="email",
+                               operator="placeholder", sanitizer_version="test-1")
+        SubjectIndex.objects.create(tenant=t, trajectory=traj, step=step,
+                                    interaction=step.interaction, entity_type="EMAIL_ADDRESS",
+                                    hash=f"h-{t.slug}")
+        job = TrainingJob.objects.create(tenant=t, dataset_version=v, reward_fn="exact_match",
+                                         base_model="tiny-qwen2", base_model_path="/m")
+        TrainingMetric.objects.create(tenant=t, job=job, step=1, reward_mean=0, reward_std=0,
+                                      loss=0)
+        Checkpoint.objects.create(tenant=t, job=job, step=1, path="/c", weight_version="1",
+                                  manifest_sha256="0" * 64)
+        erasure = ErasureRequest.objects.create(tenant=t, subject_hash=f"e-{t.slug}")
+        SuppressedSubject.objects.create(tenant=t, subject_hash=f"e-{t.slug}",
+                                         erasure_request=erasure)
         out[t.pk] = {"trajectory": traj, "agent": key.agent, "admin": admin}
     AuditEvent.objects.create(seq=10_000, tenant=None, actor="system:test", action="x",
                               created_at=traj.started_at, prev_hash="0", hash="0")

@@ -20,6 +20,7 @@ from django.utils import timezone
 from governance.crypto import master_key, subject_hash
 from governance.models import AuditEvent, DataKey, Interaction, Step, Trajectory
 from governance.rawstore import data_key_aad, decode_body, open_raw
+from governance.sanitizer import SANITIZER_VERSION
 from governance.tasks import build_pending_steps, build_steps
 from proxy.shipper import DEAD_LETTER_NAME, Shipper, ship_once
 from proxy.spool import SpoolWriter, segments
@@ -207,8 +208,9 @@ def test_build_steps_builds_quarantines_and_is_idempotent(tenant, agent, tmp_pat
     step = Step.objects.get(interaction_id=ids[ok["flow_id"]])
     assert str(step.id) == ok["step_id"]
     assert step.response_id == "chatcmpl-ok" and step.action["messages"][0]["content"] == "fine"
-    assert (step.consent, step.training_eligible, step.sanitizer_version) == ("no-train",
-                                                                             False, "")
+    # Sanitized when built; no-train consent: never eligible.
+    assert (step.consent, step.training_eligible, step.sanitizer_version) == (
+        "no-train", False, SANITIZER_VERSION)
     assert step.classification == "internal" and step.retention_until is None
     assert step.versions["harness_version"] == "steward-proxy/0.1"
     assert Step.objects.get(interaction_id=ids[failed["flow_id"]]).error["kind"] == "http_error"

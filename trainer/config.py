@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.grpo import LOSS_AGG_MODES
+# verl's loss_agg_mode values. Defined here, not in grpo.py, so validating a config (the web
+# process does, when a job is launched) needs no torch.
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
 
 
 @dataclass

@@ -17,9 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
-
+from trainer.config import LOSS_AGG_MODES  # noqa: E402  (defined torch-free for web hosts)
 
 # --------------------------------------------------------------------------------- advantages
 

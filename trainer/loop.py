@@ -448,7 +448,7 @@ def load_checkpoint(path: Path, policy: torch.nn.Module,
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / state["optimizer_state"],
                                              map_location=device, weights_only=True))
-    rng = torch.load(path / state["rng_state"], weights_only=False)
+    rng = torch.load(path / state["rng_state"], weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     if "cuda" in rng and torch.cuda.is_available():

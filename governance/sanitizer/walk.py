@@ -127,7 +127,7 @@ class _Walker:
         if structured:
             self._structured_string(container, key, value, spath, svp, emb, name)
             return
-        if name in STRUCTURAL_KEYS or name in BINARY_KEYS:
+        if name in STRUCTURAL_KEYS or (name in BINARY_KEYS and _looks_binary(value)):
             return
         if name == "name":
             if isinstance(container, dict) and (
@@ -164,7 +164,7 @@ class _Walker:
             self._add(container, key, value, "name", spath, svp, emb)
         elif name in SUBJECT_KEYS:
             self._add(container, key, value, "subject", spath, svp, emb)
-        elif name in BINARY_KEYS:
+        elif name in BINARY_KEYS and _looks_binary(value):
             return
         elif value.lstrip()[:1] in "{[" and emb is None and self._embed(
                 container, key, value, spath):
@@ -183,6 +183,15 @@ class _Walker:
         self.embedded.append(emb)
         self.walk(doc, spath, None, None, True, "$", emb)
         return True
+
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/=_\-\r\n]+")
+
+
+def _looks_binary(value: str) -> bool:
+    """A payload (base64, a data: URL) rather than text someone wrote: text under a key such as
+    `data` (a tool result {"data": "..."}) is still sanitized."""
+    return value.startswith("data:") or (len(value) >= 64 and bool(_BASE64.fullmatch(value)))
 
 
 def _text_mode(value: str, unknown: bool = False) -> str:

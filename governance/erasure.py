@@ -1,0 +1,614 @@
+"""GDPR Art. 17 erasure of one data subject in one tenant.
+
+`request_erasure(actor, tenant, subject)` stores the subject only as keyed hashes (never in
+clear: not in the row, the broker message, a log line or an audit payload) and enqueues the
+Celery task `erase_subject(request_id, tenant_id)` on commit (queue "capture"). A subject already
+pending or running answers the existing request (idempotent).
+
+The task claims the request with a conditional UPDATE (pending, or running under its own task id
+— a retry — or with a stale heartbeat — a crashed worker) and runs these stages, saving `stage`
+and `progress` in the same transaction as each unit of work, so a crash resumes where it left
+off and nothing is counted twice:
+
+1. suppress: the lookup hashes go on the suppression list (SuppressedSubject) and the subject's
+   data keys are destroyed (crypto-shredding: every raw payload sealed under them — in the
+   database, in spool files, in backups — can never be opened again). From here on a capture
+   about the subject is kept as metadata only: the shipper stores no raw payload for a
+   suppressed header subject, and the step builder builds no step (and drops the raw payload)
+   for an exchange whose identifiers hash to a suppressed hash — both quarantine the
+   interaction with the reason "suppressed subject".
+2. spool: spool lines cannot be searched by subject (they are encrypted records, and only the
+   sanitizer finds identifiers in free text), so the guarantee is drain-based: the task waits
+   (bounded, STEWARD_ERASURE_SPOOL_WAIT_S) until every segment of the local spool directory that
+   existed when the stage began is shipped and deleted. Whatever ships from them lands under
+   stage 1's suppression and is caught by stage 3. Spools of other hosts are not visible here;
+   the certificate says what was checked.
+3. delete, in bounded batches (BATCH_TRAJECTORIES per transaction): the trajectories found by
+   Trajectory.subject_hash, Interaction.subject_hash (the X-Steward-Subject header) and the
+   subject index (identifiers the sanitizer found: email, phone, name, ...). Per batch:
+   checkpoints trained on them are marked `tainted`; unapproved (draft, pending) dataset versions
+   lose them (content hash, size and sample recomputed); approved versions holding them are
+   invalidated; then rewards (by trajectory id and by the steps' response ids, through
+   `purge_allowed()`), findings, subject-index rows, steps, interactions with their raw payloads,
+   dataset memberships and the trajectories themselves are deleted.
+4. exports: files under VAR_DIR whose size and SHA-256 match an audited export
+   (`dataset_version.exported`) of an affected dataset version are deleted.
+5. verify: the post-condition — no trajectory, interaction or subject-index row with any of the
+   hashes, no live data key. Rows that raced in meanwhile send the job back to stage 3 (at most
+   VERIFY_ROUNDS times); still not clean: failed.
+
+The certificate: counts per kind, affected dataset versions and checkpoints, timestamps, the
+post-condition result, the sanitizer version — and only the keyed hash of the subject.
+Every stage writes an audit event (ids and counts only).
+
+Scope: everything runs in the requesting tenant's row-level security scope; another tenant's
+rows are neither visible nor touched, and the hashes are per tenant anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from celery import shared_task
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, connection, transaction
+from django.db.models import F, Q
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from governance.audit import record_event
+from governance.crypto import subject_hash
+from governance.datasets import version_content_hash
+from governance.models import (
+    AuditEvent,
+    DatasetVersion,
+    DatasetVersionMember,
+    ErasureRequest,
+    SuppressedSubject,
+    Tenant,
+)
+from governance.tenancy import tenant_atomic, tenant_context
+
+log = logging.getLogger("steward.erasure")
+
+ACTOR = "system:erasure"
+SUPPRESSED_REASON = "suppressed subject"
+MAX_SUBJECT_CHARS = 512
+BATCH_TRAJECTORIES = 200
+VERIFY_ROUNDS = 3
+HEARTBEAT_STALE_S = 120
+SPOOL_POLL_S = 0.25
+STAGES = ("suppress", "spool", "delete", "exports", "verify", "done")
+COUNT_KINDS = ("trajectories", "steps", "interactions", "raw_payloads", "findings",
+               "subject_index", "rewards", "dataset_memberships", "data_keys_destroyed",
+               "suppressed_hashes", "exports_removed")
+# Identifier types of the subject index (governance.recognizers.IDENTIFIER_TYPES) under whose
+# normalisation a looked-up subject is hashed; the header hash (crypto.subject_hash of the
+# subject as given) is always included.
+_PHONE_LIKE = re.compile(r"^[\d\s().+\-/x]+$|^[\d\s().+\-/]+(?:ext\.?|extension)\s*\d+$", re.I)
+
+
+class ErasureError(ValueError):
+    """Bad erasure input (the REST layer answers 400 with the message)."""
+
+
+# --- hashes -----------------------------------------------------------------------------------
+
+
+def lookup_hashes(tenant_id: int, subject: str) -> list[str]:
+    """Every keyed hash the subject may be stored under in this tenant: as an X-Steward-Subject
+    header and as each identifier type the sanitizer indexes (normalised the same way,
+    governance.sanitizer.normalize_identifier). Sorted, distinct."""
+    from governance.recognizers import IDENTIFIER_TYPES
+    from governance.sanitizer import normalize_identifier
+
+    hashes = {subject_hash(tenant_id, subject)}
+    for etype in sorted(IDENTIFIER_TYPES):
+        if etype == "PHONE_NUMBER" and not _PHONE_LIKE.match(subject.strip()):
+            continue  # a name's digits are not a phone number
+        normalized = normalize_identifier(etype, subject)
+        if len(normalized) >= 3:
+            hashes.add(subject_hash(tenant_id, normalized))
+    return sorted(hashes)
+
+
+def suppressed_hashes(tenant_id: int, hashes: Iterable[str]) -> set[str]:
+    """The subset of `hashes` on the tenant's suppression list (one indexed query). Called by
+    the shipper and the step builder inside the tenant's scope."""
+    wanted = {h for h in hashes if h}
+    if not wanted:
+        return set()
+    return set(SuppressedSubject.objects.for_tenant(tenant_id)
+               .filter(subject_hash__in=wanted).values_list("subject_hash", flat=True))
+
+
+# --- the request ------------------------------------------------------------------------------
+
+
+def _enqueue(request_id: int, tenant_id: int) -> None:
+    erase_subject.delay(request_id, tenant_id)
+
+
+@tenant_atomic("tenant")
+def request_erasure(actor: Any, tenant: Tenant, subject: str) -> tuple[ErasureRequest, bool]:
+    """File an erasure of `subject`. Returns (request, created); a request for the same subject
+    still pending or running is returned instead of a new one."""
+    subject = (subject or "").strip()
+    if not subject:
+        raise ErasureError("subject must not be empty")
+    if len(subject) > MAX_SUBJECT_CHARS:
+        raise ErasureError(f"subject must be at most {MAX_SUBJECT_CHARS} characters")
+    tenant_id = tenant if isinstance(tenant, int) else tenant.pk
+    h = subject_hash(tenant_id, subject)
+    # Serialise requests for one subject so two concurrent POSTs create one request.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [int(h[:15], 16)])
+    existing = (ErasureRequest.objects.for_tenant(tenant_id)
+                .filter(subject_hash=h, status__in=[ErasureRequest.Status.PENDING,
+                                                    ErasureRequest.Status.RUNNING])
+                .order_by("pk").first())
+    if existing is not None:
+        return existing, False
+    lookups = lookup_hashes(tenant_id, subject)
+    req = ErasureRequest.objects.create(
+        tenant_id=tenant_id, subject_hash=h, lookup_hashes=lookups,
+        requested_by=actor if hasattr(actor, "pk") else None,
+        progress={"counts": dict.fromkeys(COUNT_KINDS, 0)})
+    record_event(actor, "erasure.requested", tenant=tenant_id, object_type="erasure_request",
+                 object_id=req.pk, payload={"lookup_hashes": len(lookups)})
+    # robust: a broker outage must not undo the request; resume_erasures re-queues it.
+    transaction.on_commit(lambda: _enqueue(req.pk, tenant_id), robust=True)
+    return req, True
+
+
+# --- the task ---------------------------------------------------------------------------------
+
+
+def _claim(request_id: int, tenant_id: int, task_id: str) -> ErasureRequest | None:
+    now = timezone.now()
+    stale = now - timedelta(seconds=HEARTBEAT_STALE_S)
+    with tenant_context(tenant_id):
+        claimable = (Q(status=ErasureRequest.Status.PENDING)
+                     | Q(status=ErasureRequest.Status.RUNNING, task_id=task_id)
+                     | Q(status=ErasureRequest.Status.RUNNING, heartbeat_at__lt=stale))
+        n = (ErasureRequest.objects.for_tenant(tenant_id).filter(pk=request_id)
+             .filter(claimable)
+             .update(status=ErasureRequest.Status.RUNNING, task_id=task_id, heartbeat_at=now,
+                     attempts=F("attempts") + 1, started_at=Coalesce("started_at", now)))
+        if not n:
+            return None
+        req = ErasureRequest.objects.get(pk=request_id)
+        if req.attempts == 1:
+            record_event(ACTOR, "erasure.started", tenant=tenant_id,
+                         object_type="erasure_request", object_id=req.pk, payload={})
+        else:
+            record_event(ACTOR, "erasure.resumed", tenant=tenant_id,
+                         object_type="erasure_request", object_id=req.pk,
+                         payload={"stage": req.stage, "attempt": req.attempts})
+        return req
+
+
+def _save(req: ErasureRequest, stage: str | None = None) -> None:
+    """Progress, in the caller's transaction (the batch it describes)."""
+    if stage is not None:
+        req.stage = stage
+    req.heartbeat_at = timezone.now()
+    ErasureRequest.objects.filter(pk=req.pk).update(
+        stage=req.stage, progress=req.progress, heartbeat_at=req.heartbeat_at)
+
+
+def _add(req: ErasureRequest, counts: dict[str, int]) -> None:
+    total = req.progress.setdefault("counts", dict.fromkeys(COUNT_KINDS, 0))
+    for k, v in counts.items():
+        total[k] = total.get(k, 0) + int(v)
+
+
+def _add_ids(req: ErasureRequest, key: str, ids: Iterable[int]) -> None:
+    req.progress[key] = sorted(set(req.progress.get(key, [])) | {int(i) for i in ids})
+
+
+def _table(name: str) -> str:
+    from django.apps import apps
+
+    return connection.ops.quote_name(apps.get_model("governance", name)._meta.db_table)
+
+
+# stage 1 -------------------------------------------------------------------------------------
+
+
+def _suppress(req: ErasureRequest) -> None:
+    hashes = list(req.lookup_hashes)
+    with tenant_context(req.tenant_id):
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {_table('SuppressedSubject')} "  # noqa: S608
+                "(tenant_id, subject_hash, erasure_request_id, created_at) "
+                "SELECT %s, h, %s, now() FROM unnest(%s::text[]) AS h "
+                "ON CONFLICT (tenant_id, subject_hash) DO NOTHING",
+                [req.tenant_id, req.pk, hashes])
+            suppressed = cursor.rowcount
+            # Crypto-shredding: the wrapped key is gone for good; the row stays as a tombstone
+            # so the shipper never creates a fresh key for the subject.
+            cursor.execute(
+                f"UPDATE {_table('DataKey')} SET wrapped_key = NULL, "  # noqa: S608
+                "destroyed_at = coalesce(destroyed_at, now()) "
+                "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
+                "AND wrapped_key IS NOT NULL", [req.tenant_id, hashes])
+            destroyed = cursor.rowcount
+        _add(req, {"suppressed_hashes": suppressed, "data_keys_destroyed": destroyed})
+        _save(req, "spool")
+        record_event(ACTOR, "erasure.suppressed", tenant=req.tenant_id,
+                     object_type="erasure_request", object_id=req.pk,
+                     payload={"suppressed_hashes": suppressed, "data_keys_destroyed": destroyed})
+
+
+# stage 2 -------------------------------------------------------------------------------------
+
+
+def _segment_stems(spool_dir: Path) -> set[str]:
+    from proxy.spool import segments
+
+    return {p.name.rsplit(".", 1)[0] for p in segments(spool_dir)}
+
+
+def _spool(req: ErasureRequest) -> None:
+    spool_dir = Path(settings.STEWARD_SPOOL_DIR)
+    wait_s = float(getattr(settings, "STEWARD_ERASURE_SPOOL_WAIT_S", 60))
+    state = dict(req.progress.get("spool") or {})
+    if "waiting_for" not in state:
+        state = {"dir": spool_dir.name, "checked": spool_dir.is_dir(),
+                 "waiting_for": sorted(_segment_stems(spool_dir)) if spool_dir.is_dir() else []}
+    waiting = set(state["waiting_for"])
+    deadline = time.monotonic() + wait_s
+    while waiting:
+        waiting &= _segment_stems(spool_dir) if spool_dir.is_dir() else set()
+        if not waiting or time.monotonic() > deadline:
+            break
+        with tenant_context(req.tenant_id):  # heartbeat: the wait is not a crash
+            ErasureRequest.objects.filter(pk=req.pk).update(heartbeat_at=timezone.now())
+        time.sleep(SPOOL_POLL_S)
+    state.update(segments_at_start=len(state["waiting_for"]), segments_pending=len(waiting),
+                 drained=not waiting)
+    req.progress["spool"] = state
+    with tenant_context(req.tenant_id):
+        _save(req, "delete")
+        record_event(ACTOR, "erasure.spool_checked", tenant=req.tenant_id,
+                     object_type="erasure_request", object_id=req.pk,
+                     payload={k: v for k, v in state.items() if k != "waiting_for"})
+
+
+# stage 3 -------------------------------------------------------------------------------------
+
+
+def _find_trajectories(cursor: Any, tenant_id: int, hashes: list[str], limit: int) -> list[str]:
+    cursor.execute(
+        f"SELECT t::text FROM ("  # noqa: S608
+        f"SELECT id AS t FROM {_table('Trajectory')} WHERE tenant_id = %s "
+        "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
+        f"UNION SELECT trajectory_id FROM {_table('Interaction')} WHERE tenant_id = %s "
+        "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
+        f"UNION SELECT trajectory_id FROM {_table('SubjectIndex')} WHERE tenant_id = %s "
+        "AND hash = ANY(%s::text[])) AS s LIMIT %s",
+        [tenant_id, hashes, tenant_id, hashes, tenant_id, hashes, limit])
+    return [row[0] for row in cursor.fetchall()]
+
+
+def _drop_from_unapproved(req: ErasureRequest, trajectory_ids: list[str]) -> list[int]:
+    """Remove the trajectories from draft and pending versions and recompute what describes
+    their content; a version left empty is invalidated. Returns the versions changed."""
+    holding = (DatasetVersionMember.objects.for_tenant(req.tenant_id)
+               .filter(trajectory_id__in=trajectory_ids).values("version_id"))
+    unapproved = list(DatasetVersion.objects.for_tenant(req.tenant_id)
+                      .filter(pk__in=holding, status__in=[DatasetVersion.Status.DRAFT,
+                                                          DatasetVersion.Status.PENDING_APPROVAL])
+                      .select_for_update().order_by("pk"))
+    if not unapproved:
+        return []
+    removed = (DatasetVersionMember.objects.for_tenant(req.tenant_id)
+               .filter(version__in=unapproved, trajectory_id__in=trajectory_ids).delete()[0])
+    _add(req, {"dataset_memberships": removed})
+    gone = set(trajectory_ids)
+    for version in unapproved:
+        version.size = version.members.count()
+        version.sample_ids = [t for t in version.sample_ids if t not in gone]
+        fields = ["size", "sample_ids"]
+        if version.size == 0:
+            version.status = DatasetVersion.Status.INVALIDATED
+            version.invalidated_at = timezone.now()
+            version.invalidated_reason = f"erasure request {req.pk}: no members left"
+            fields += ["status", "invalidated_at", "invalidated_reason"]
+        version.save(update_fields=fields)
+        record_event(ACTOR, "dataset_version.members_erased", tenant=req.tenant_id,
+                     object_type="dataset_version", object_id=version.pk,
+                     payload={"erasure_request": req.pk, "size": version.size})
+    return [v.pk for v in unapproved]
+
+
+def _recompute_hashes(version_ids: list[int]) -> None:
+    """After the batch's steps are gone: the content hash of each changed unapproved version
+    as it now is (an approval later covers exactly this content)."""
+    for version in DatasetVersion.objects.filter(pk__in=version_ids).exclude(
+            status=DatasetVersion.Status.INVALIDATED):
+        version.content_hash, version.step_count = version_content_hash(version)
+        version.size = version.members.count()
+        version.save(update_fields=["content_hash", "step_count", "size", "sample_ids"])
+
+
+def _delete_batch(req: ErasureRequest) -> bool:
+    """One transaction: at most BATCH_TRAJECTORIES trajectories of the subject and everything
+    hanging off them. Returns False when nothing was left to delete."""
+    from governance.services import invalidate_versions_containing, purge_allowed
+
+    tenant_id = req.tenant_id
+    hashes = list(req.lookup_hashes)
+    with tenant_context(tenant_id), connection.cursor() as cursor:
+        ids = _find_trajectories(cursor, tenant_id, hashes, BATCH_TRAJECTORIES)
+        if not ids:
+            return False
+        reason = f"erasure request {req.pk}"
+        # Checkpoints first: the version memberships that link them go below.
+        tainted = mark_checkpoints_tainted(ACTOR, tenant_id, ids, reason)
+        changed = _drop_from_unapproved(req, ids)
+        # What still holds them now is approved (or already rejected/invalidated).
+        invalidated = invalidate_versions_containing(
+            ACTOR, tenant_id, ids, f"{reason}: a member trajectory was erased")
+        p = [ids]
+        cursor.execute(
+            f"SELECT coalesce(array_agg(DISTINCT response_id), '{{}}') "  # noqa: S608
+            f"FROM {_table('Step')} WHERE trajectory_id = ANY(%s::uuid[]) AND response_id <> ''",
+            p)
+        response_ids = cursor.fetchone()[0]
+        counts: dict[str, int] = {}
+        with purge_allowed():
+            cursor.execute(
+                f"DELETE FROM {_table('Reward')} WHERE tenant_id = %s AND ("  # noqa: S608
+                "trajectory_id = ANY(%s::uuid[]) OR response_id = ANY(%s::text[]))",
+                [tenant_id, ids, response_ids])
+            counts["rewards"] = cursor.rowcount
+        statements = [
+            ("findings", f"DELETE FROM {_table('Finding')} f USING {_table('Step')} s "
+                         "WHERE f.step_id = s.id AND s.trajectory_id = ANY(%s::uuid[])"),
+            ("subject_index", f"DELETE FROM {_table('SubjectIndex')} "
+                              "WHERE trajectory_id = ANY(%s::uuid[])"),
+            ("steps", f"DELETE FROM {_table('Step')} WHERE trajectory_id = ANY(%s::uuid[])"),
+        ]
+        for kind, sql in statements:
+            cursor.execute(sql, p)
+            counts[kind] = cursor.rowcount
+        # Findings that point at an interaction only (their step was purged before).
+        cursor.execute(
+            f"DELETE FROM {_table('Finding')} f USING {_table('Interaction')} i "  # noqa: S608
+            "WHERE f.interaction_id = i.id AND i.trajectory_id = ANY(%s::uuid[])", p)
+        counts["findings"] += cursor.rowcount
+        cursor.execute(
+            f"DELETE FROM {_table('Interaction')} WHERE trajectory_id = ANY(%s::uuid[]) "  # noqa: S608
+            "RETURNING raw_ciphertext IS NOT NULL", p)
+        rows = cursor.fetchall()
+        counts["interactions"] = len(rows)
+        counts["raw_payloads"] = sum(1 for (has_raw,) in rows if has_raw)
+        cursor.execute(
+            f"DELETE FROM {_table('DatasetVersionMember')} "  # noqa: S608
+            "WHERE trajectory_id = ANY(%s::uuid[])", p)
+        counts["dataset_memberships"] = cursor.rowcount
+        cursor.execute(
+            f"DELETE FROM {_table('Trajectory')} WHERE id = ANY(%s::uuid[])", p)  # noqa: S608
+        counts["trajectories"] = cursor.rowcount
+        _recompute_hashes(changed)
+        _add(req, counts)
+        _add_ids(req, "dataset_versions_changed", changed)
+        _add_ids(req, "dataset_versions_invalidated", invalidated)
+        _add_ids(req, "checkpoints_tainted", tainted)
+        req.progress["batches"] = req.progress.get("batches", 0) + 1
+        _save(req)
+        record_event(ACTOR, "erasure.batch_deleted", tenant=tenant_id,
+                     object_type="erasure_request", object_id=req.pk,
+                     payload={**counts, "dataset_versions_changed": changed,
+                              "dataset_versions_invalidated": invalidated,
+                              "checkpoints_tainted": tainted})
+    return True
+
+
+def mark_checkpoints_tainted(actor: Any, tenant_id: int, trajectory_ids: list[str],
+                             reason: str) -> list[int]:
+    """trainer.services.mark_checkpoints_tainted (the trainer app owns checkpoints)."""
+    from trainer.services import mark_checkpoints_tainted as taint
+
+    return taint(actor, tenant_id, trajectory_ids, reason)
+
+
+# stage 4 -------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _exports(req: ErasureRequest) -> None:
+    """Delete export files of the affected versions found under VAR_DIR (by the size and
+    SHA-256 their audited export event recorded; the database and spool are skipped)."""
+    versions = sorted(set(req.progress.get("dataset_versions_invalidated", []))
+                      | set(req.progress.get("dataset_versions_changed", [])))
+    removed: list[str] = []
+    if versions:
+        with tenant_context(req.tenant_id):
+            wanted: dict[int, set[str]] = {}
+            for payload in (AuditEvent.objects.for_tenant(req.tenant_id)
+                            .filter(action="dataset_version.exported",
+                                    object_id__in=[str(v) for v in versions])
+                            .values_list("payload", flat=True)):
+                if payload.get("sha256") and isinstance(payload.get("bytes"), int):
+                    wanted.setdefault(payload["bytes"], set()).add(payload["sha256"])
+        root = Path(settings.VAR_DIR)
+        skip = {Path(settings.STEWARD_SPOOL_DIR).resolve()}
+        for dirpath, dirnames, filenames in os.walk(root) if wanted else ():
+            here = Path(dirpath)
+            if "PG_VERSION" in filenames or here.resolve() in skip:
+                dirnames[:] = []
+                continue
+            for name in filenames:
+                path = here / name
+                try:
+                    size = path.stat().st_size
+                    if size in wanted and _sha256(path) in wanted[size]:
+                        path.unlink()
+                        removed.append(str(path.relative_to(root)))
+                except OSError:
+                    continue
+    with tenant_context(req.tenant_id):
+        _add(req, {"exports_removed": len(removed)})
+        _save(req, "verify")
+        record_event(ACTOR, "erasure.exports_removed", tenant=req.tenant_id,
+                     object_type="erasure_request", object_id=req.pk,
+                     payload={"removed": removed, "dataset_versions": versions})
+
+
+# stage 5 -------------------------------------------------------------------------------------
+
+
+def post_condition(tenant_id: int, hashes: list[str]) -> dict[str, int]:
+    """What is left of the subject (all zero: erased). Runs in the tenant's scope."""
+    with tenant_context(tenant_id), connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT (SELECT count(*) FROM {_table('Trajectory')} "  # noqa: S608
+            "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> ''), "
+            f"(SELECT count(*) FROM {_table('Interaction')} "
+            "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> ''), "
+            f"(SELECT count(*) FROM {_table('SubjectIndex')} "
+            "WHERE tenant_id = %s AND hash = ANY(%s::text[])), "
+            f"(SELECT count(*) FROM {_table('DataKey')} WHERE tenant_id = %s "
+            "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
+            "AND wrapped_key IS NOT NULL)",
+            [tenant_id, hashes] * 4)
+        t, i, s, k = cursor.fetchone()
+    return {"trajectories": t, "interactions": i, "subject_index": s, "live_data_keys": k}
+
+
+def _verify(req: ErasureRequest) -> bool:
+    """True when clean (the certificate is written); False: back to stage 3."""
+    from governance.sanitizer import SANITIZER_VERSION
+
+    left = post_condition(req.tenant_id, list(req.lookup_hashes))
+    rounds = req.progress.get("verify_rounds", 0) + 1
+    req.progress["verify_rounds"] = rounds
+    clean = not any(left.values())
+    with tenant_context(req.tenant_id):
+        if not clean and rounds < VERIFY_ROUNDS:
+            _save(req, "delete")
+            record_event(ACTOR, "erasure.recheck", tenant=req.tenant_id,
+                         object_type="erasure_request", object_id=req.pk, payload=left)
+            return False
+        now = timezone.now()
+        req.refresh_from_db(fields=["created_at", "started_at"])
+        certificate = {
+            "erasure_request": req.pk,
+            "tenant": req.tenant_id,
+            "subject_hash": req.subject_hash,
+            "lookup_hashes": len(req.lookup_hashes),
+            "counts": dict(req.progress.get("counts", {})),
+            "dataset_versions_invalidated": req.progress.get("dataset_versions_invalidated", []),
+            "dataset_versions_changed": req.progress.get("dataset_versions_changed", []),
+            "checkpoints_tainted": req.progress.get("checkpoints_tainted", []),
+            "spool": {k: v for k, v in (req.progress.get("spool") or {}).items()
+                      if k != "waiting_for"},
+            "post_condition": {"clean": clean, "remaining": left},
+            "requested_at": req.created_at.isoformat(),
+            "started_at": req.started_at.isoformat() if req.started_at else None,
+            "finished_at": now.isoformat(),
+            "sanitizer_version": SANITIZER_VERSION,
+            "suppressed": True,
+        }
+        status = ErasureRequest.Status.COMPLETED if clean else ErasureRequest.Status.FAILED
+        ErasureRequest.objects.filter(pk=req.pk).update(
+            status=status, stage="done", progress=req.progress, certificate=certificate,
+            finished_at=now, heartbeat_at=now,
+            error="" if clean else "post-condition: data of the subject is still present")
+        record_event(ACTOR, "erasure.completed" if clean else "erasure.failed",
+                     tenant=req.tenant_id, object_type="erasure_request", object_id=req.pk,
+                     payload={"counts": certificate["counts"], "post_condition": left,
+                              "certificate_sha256": hashlib.sha256(repr(sorted(
+                                  certificate.items())).encode()).hexdigest()})
+    return True
+
+
+def run_erasure(req: ErasureRequest) -> None:
+    """The stages from where the request left off (see the module docstring)."""
+    stage = req.stage or "suppress"
+    while stage != "done":
+        if stage == "suppress":
+            _suppress(req)
+        elif stage == "spool":
+            _spool(req)
+        elif stage == "delete":
+            while _delete_batch(req):
+                pass
+            with tenant_context(req.tenant_id):
+                _save(req, "exports")
+        elif stage == "exports":
+            _exports(req)
+        elif stage == "verify":
+            if _verify(req):
+                req.stage = "done"
+        else:
+            raise RuntimeError(f"unknown erasure stage {stage!r}")
+        stage = req.stage
+
+
+@shared_task(name="governance.erasure.erase_subject", bind=True,
+             autoretry_for=(OperationalError, InterfaceError), max_retries=5,
+             retry_backoff=True, retry_backoff_max=60, retry_jitter=True, acks_late=True)
+def erase_subject(self: Any, request_id: int, tenant_id: int) -> dict[str, Any]:
+    """Run (or resume) an erasure request. Returns {status, stage}."""
+    task_id = getattr(self.request, "id", None) or ""
+    req = _claim(int(request_id), int(tenant_id), task_id)
+    if req is None:
+        with tenant_context(int(tenant_id)):
+            current = (ErasureRequest.objects.for_tenant(tenant_id).filter(pk=request_id)
+                       .values("status", "stage").first())
+        return current or {"status": "unknown", "stage": ""}
+    try:
+        run_erasure(req)
+    except (OperationalError, InterfaceError):
+        raise  # retried under the same task id: the claim lets it resume
+    except Exception as exc:
+        log.exception("erasure: request %s failed in stage %s", req.pk, req.stage)
+        with tenant_context(req.tenant_id):
+            ErasureRequest.objects.filter(pk=req.pk).update(
+                status=ErasureRequest.Status.FAILED, finished_at=timezone.now(),
+                error=f"{type(exc).__name__} in stage {req.stage}"[:2000])
+            record_event(ACTOR, "erasure.failed", tenant=req.tenant_id,
+                         object_type="erasure_request", object_id=req.pk,
+                         payload={"stage": req.stage, "error": type(exc).__name__})
+        return {"status": "failed", "stage": req.stage}
+    return {"status": "completed", "stage": "done"}
+
+
+@shared_task(name="governance.erasure.resume_erasures")
+def resume_erasures() -> int:
+    """Celery beat: re-queue requests whose message was lost (pending for a minute) or whose
+    worker died (running with a stale heartbeat)."""
+    now = timezone.now()
+    total = 0
+    for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
+        with tenant_context(tenant_id):
+            ids = list(ErasureRequest.objects.for_tenant(tenant_id).filter(
+                Q(status=ErasureRequest.Status.PENDING,
+                  created_at__lt=now - timedelta(minutes=1))
+                | Q(status=ErasureRequest.Status.RUNNING,
+                    heartbeat_at__lt=now - timedelta(seconds=HEARTBEAT_STALE_S)))
+                .values_list("pk", flat=True))
+        for pk in ids:
+            _enqueue(pk, tenant_id)
+        total += len(ids)
+    return total

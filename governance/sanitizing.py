@@ -1,0 +1,269 @@
+"""The sanitizer stage of the step builder: from parsed exchanges (governance.capture.Exchange)
+to sanitized ones, in one `Sanitizer.sanitize_bodies` call per batch. No database access here:
+governance/tasks.py claims the interactions, loads and saves the trajectories' placeholder
+state and writes steps, findings and the subject index.
+
+Per exchange, before the sanitizer sees it:
+- binary content (images, audio, files: data: URLs and base64 under `data`, `b64_json`, ...,
+  and any long base64 string) is replaced by `BINARY_MARKER` — never stored in a step, and
+  noted in the step's metadata;
+then the request, the response (a stream reassembled first) and the error parts (error body,
+non-JSON error text, stream error event, transport error message) are sanitized together with
+every other exchange of the batch, each with its trajectory's PlaceholderState, in step order.
+
+After the step fields are built (`finish_fields`): when the response had a finding whose
+operator is not `keep`, its token ids and the text of its logprob tokens are dropped (they would
+spell the raw value), likewise prompt token ids after a finding in the request; both noted in
+metadata (`steward.tokens.dropped`).
+
+The Sanitizer is loaded once per process (spaCy); tenant policies are cached per tenant and
+rebuilt when the tenant's stored policy changes.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+
+from governance.capture import Exchange
+from governance.sanitizer import (
+    SANITIZER_VERSION,
+    PlaceholderState,
+    Sanitizer,
+    get_sanitizer,
+    policy_for_tenant,
+)
+
+BINARY_MARKER = "[binary content removed by steward]"
+# String values under these keys are file, image or audio payloads.
+BINARY_KEYS = frozenset({"data", "file_data", "b64_json", "audio", "image",
+                         "partial_image_b64", "image_base64"})
+URL_KEYS = frozenset({"url", "image_url", "file_url", "audio_url", "video_url"})
+_BASE64 = re.compile(r"[A-Za-z0-9+/=_\-\r\n]+")
+# A string this long made only of base64 characters is binary wherever it appears.
+LONG_BASE64 = 256
+
+
+def _is_binary(key: Any, value: str) -> bool:
+    if value.startswith("data:") and ";base64," in value[:200]:
+        return True
+    if key in BINARY_KEYS and len(value) >= 16 and _BASE64.fullmatch(value):
+        return True
+    if key in URL_KEYS and value.startswith("data:"):
+        return True
+    return len(value) >= LONG_BASE64 and _BASE64.fullmatch(value) is not None
+
+
+def strip_binary(node: Any, path: str = "$", removed: list[str] | None = None) -> list[str]:
+    """Replace binary string values in place by BINARY_MARKER (same keys, same list lengths);
+    returns the JSON paths replaced."""
+    removed = [] if removed is None else removed
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, str):
+                if _is_binary(key, value):
+                    node[key] = BINARY_MARKER
+                    removed.append(f"{path}.{key}")
+            elif isinstance(value, dict | list):
+                strip_binary(value, f"{path}.{key}", removed)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            if isinstance(value, str):
+                if _is_binary(None, value):
+                    node[i] = BINARY_MARKER
+                    removed.append(f"{path}[{i}]")
+            elif isinstance(value, dict | list):
+                strip_binary(value, f"{path}[{i}]", removed)
+    return removed
+
+
+# --- the sanitizer of each tenant, once per process ------------------------------------------
+
+_lock = threading.Lock()
+_tenant_sanitizers: dict[int, tuple[bytes, Sanitizer]] = {}
+
+
+def sanitizer_for_tenant(tenant: Any) -> Sanitizer:
+    """The process-wide Sanitizer (spaCy loaded once) with this tenant's policy; cached per
+    tenant, rebuilt when `tenant.sanitizer_policy` changed."""
+    stored = orjson.dumps(getattr(tenant, "sanitizer_policy", None) or {},
+                          option=orjson.OPT_SORT_KEYS)
+    with _lock:
+        cached = _tenant_sanitizers.get(tenant.pk)
+        if cached is not None and cached[0] == stored:
+            return cached[1]
+    sanitizer = get_sanitizer().with_policy(policy_for_tenant(tenant))
+    with _lock:
+        _tenant_sanitizers[tenant.pk] = (stored, sanitizer)
+    return sanitizer
+
+
+def clear_cache() -> None:
+    with _lock:
+        _tenant_sanitizers.clear()
+
+
+# --- one batch ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Sanitized:
+    """One exchange after sanitization: the sanitized Exchange, its findings (each with its
+    `side`), the identifiers found (entity type, normalized value: for the subject index,
+    hashed by the caller) and the binary parts removed."""
+
+    exchange: Exchange
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    identifiers: list[tuple[str, str]] = field(default_factory=list)
+    binary_removed: dict[str, int] = field(default_factory=dict)
+
+
+# The error parts of an exchange, sanitized as one document (side "response": they come from
+# the upstream or the proxy's account of it).
+_AUX_FIELDS = ("error_body", "error_text", "stream_error")
+
+
+def _items(ex: Exchange) -> tuple[list[tuple[str, Any]], list[str], dict[str, int]]:
+    """(items for sanitize_bodies, what each item is, binary removed per side). Works on
+    copies: the Exchange given is not changed."""
+    items: list[tuple[str, Any]] = []
+    roles: list[str] = []
+    binary: dict[str, int] = {}
+    if ex.request is not None:
+        request = orjson.loads(orjson.dumps(ex.request))
+        removed = strip_binary(request)
+        if removed:
+            binary["request"] = len(removed)
+        items.append(("request", request))
+        roles.append("request")
+    if ex.response is not None:
+        response = orjson.loads(orjson.dumps(ex.response))
+        removed = strip_binary(response)
+        if removed:
+            binary["response"] = len(removed)
+        items.append(("response", response))
+        roles.append("response")
+    aux: dict[str, Any] = {k: getattr(ex, k) for k in _AUX_FIELDS if getattr(ex, k) is not None}
+    message = (ex.transport_error or {}).get("message")
+    if isinstance(message, str) and message:
+        aux["error_message"] = message
+    if aux:
+        aux = orjson.loads(orjson.dumps(aux, default=str))
+        removed = strip_binary(aux)
+        if removed:
+            binary["response"] = binary.get("response", 0) + len(removed)
+        items.append(("response", aux))
+        roles.append("aux")
+    return items, roles, binary
+
+
+def _rebuild(ex: Exchange, roles: list[str], bodies: list[Any]) -> Exchange:
+    changes: dict[str, Any] = {}
+    for role, body in zip(roles, bodies, strict=True):
+        if role == "request":
+            changes["request"] = body
+        elif role == "response":
+            changes["response"] = body
+        else:
+            for key in _AUX_FIELDS:
+                if key in body:
+                    changes[key] = body[key]
+            if "error_message" in body and ex.transport_error:
+                changes["transport_error"] = {**ex.transport_error,
+                                              "message": body["error_message"]}
+    return replace(ex, **changes)
+
+
+def sanitize_exchanges(sanitizer: Sanitizer,
+                       batch: list[tuple[Exchange, PlaceholderState]]) -> list[Sanitized]:
+    """Sanitize every exchange of the batch in ONE sanitize_bodies call (one NER pass over all
+    their prose). Each exchange uses the PlaceholderState given with it (its trajectory's: pass
+    the same object for exchanges of the same trajectory, in step order). Raises whatever the
+    sanitizer raises: the caller then isolates the failing exchange (`sanitize_one`)."""
+    all_items: list[tuple[str, Any]] = []
+    all_states: list[PlaceholderState] = []
+    layout: list[tuple[list[str], dict[str, int], int]] = []
+    for ex, state in batch:
+        items, roles, binary = _items(ex)
+        layout.append((roles, binary, len(all_items)))
+        all_items.extend(items)
+        all_states.extend([state] * len(items))
+    results = sanitizer.sanitize_bodies(all_items, all_states) if all_items else []
+    out: list[Sanitized] = []
+    for (ex, _), (roles, binary, start) in zip(batch, layout, strict=True):
+        mine = results[start:start + len(roles)]
+        findings: list[dict[str, Any]] = []
+        identifiers: dict[tuple[str, str], None] = {}
+        for role, result in zip(roles, mine, strict=True):
+            side = "request" if role == "request" else "response"
+            for finding in result.findings:
+                # Paths of the error parts start with $.error_body, $.error_text,
+                # $.stream_error or $.error_message.
+                f = {**finding, "side": side}
+                findings.append(f)
+            for ident in result.identifiers:
+                identifiers[tuple(ident)] = None
+        out.append(Sanitized(_rebuild(ex, roles, [r.body for r in mine]), findings,
+                             list(identifiers), binary))
+    return out
+
+
+def sanitize_one(sanitizer: Sanitizer, ex: Exchange, state: PlaceholderState) -> Sanitized:
+    return sanitize_exchanges(sanitizer, [(ex, state)])[0]
+
+
+# --- after the step fields are built -----------------------------------------------------------
+
+
+def _strip_logprob_text(value: Any) -> Any:
+    """Logprob entries without their token text (token, bytes, top alternatives' text)."""
+    if isinstance(value, list):
+        return [_strip_logprob_text(v) for v in value]
+    if isinstance(value, dict):
+        if "tokens" in value or "token_logprobs" in value:  # legacy completions logprobs
+            return {k: v for k, v in value.items() if k == "token_logprobs"}
+        out = {k: v for k, v in value.items() if k in ("logprob",)}
+        if isinstance(value.get("top_logprobs"), list):
+            out["top_logprobs"] = [{"logprob": t.get("logprob")} for t in value["top_logprobs"]
+                                   if isinstance(t, dict)]
+        return out
+    return value
+
+
+def _drop_tokens(tokens: dict, response: bool, request: bool) -> list[str]:
+    dropped: set[str] = set()
+    holders = [tokens] + [c for c in tokens.get("choices") or [] if isinstance(c, dict)]
+    for holder in holders:
+        if response:
+            if holder.pop("token_ids", None) is not None:
+                dropped.add("token_ids")
+            if holder.get("logprobs") is not None:
+                holder["logprobs"] = _strip_logprob_text(holder["logprobs"])
+                dropped.add("logprob_tokens")
+        if request and holder.pop("prompt_token_ids", None) is not None:
+            dropped.add("prompt_token_ids")
+    return sorted(dropped)
+
+
+def finish_fields(fields: dict, sanitized: Sanitized) -> dict:
+    """Step fields built from a sanitized exchange -> the fields to store: tokens that would
+    spell a replaced value dropped, and the sanitizer's notes in metadata."""
+    changed = {"request": False, "response": False}
+    for f in sanitized.findings:
+        if f.get("operator") != "keep":
+            changed[f["side"]] = True
+    metadata = dict(fields.get("metadata") or {})
+    tokens = fields.get("tokens") or {}
+    if tokens and (changed["response"] or changed["request"]):
+        tokens = orjson.loads(orjson.dumps(tokens))
+        dropped = _drop_tokens(tokens, changed["response"], changed["request"])
+        if dropped:
+            metadata["steward.tokens.dropped"] = dropped
+    if sanitized.binary_removed:
+        metadata["steward.sanitizer.binary_removed"] = dict(sanitized.binary_removed)
+    metadata["steward.sanitizer.version"] = SANITIZER_VERSION
+    return {**fields, "tokens": tokens, "metadata": metadata}
