@@ -44,7 +44,6 @@ from tests.pipeline import chat_response, make_record, ship_and_build
 ROOT = Path(__file__).resolve().parent.parent
 EMAIL = "jane.roe@example.com"
 OTHER = "bob.stone@example.org"
-REDIS_URL = os.environ.get("STEWARD_TEST_ERASURE_REDIS_URL", "redis://127.0.0.1:6379/12")
 
 
 @pytest.fixture
@@ -350,22 +349,17 @@ def _files_containing(root: Path, needle: bytes) -> list[str]:
 
 @pytest.fixture
 def redis_broker():
-    """Point this process's Celery app at Redis db 12 (the worker subprocess uses the same)."""
-    import redis
-
+    """The broker this process's Celery app publishes to (CELERY_BROKER_URL from the
+    environment wins over anything set on app.conf, so the worker subprocess must use the same
+    one), with stale `capture` messages from earlier tests purged."""
     from config.celery import app
 
-    client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
-    old = app.conf.broker_url
-    app.conf.broker_url = REDIS_URL
-    app._pool = None
-    app.amqp._producer_pool = None
-    yield REDIS_URL
-    app.conf.broker_url = old
-    app._pool = None
-    app.amqp._producer_pool = None
-    client.flushdb()
+    with app.connection_for_write() as conn:
+        try:
+            conn.default_channel.queue_purge("capture")
+        except Exception:  # noqa: BLE001 - the queue may not exist yet
+            pass
+    yield app.conf.broker_url
 
 
 @pytest.mark.timeout(300)
@@ -429,7 +423,7 @@ def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_mem
         "STEWARD_DB_SCOPE_ROLE": "steward_app",
         "STEWARD_MASTER_KEY": base64.b64encode(master_key()).decode(),
         "STEWARD_VAR_DIR": str(var_dir), "STEWARD_SPOOL_DIR": str(steward_proxy.spool_dir),
-        "STEWARD_ERASURE_SPOOL_WAIT_S": "5", "CELERY_BROKER_URL": REDIS_URL,
+        "STEWARD_ERASURE_SPOOL_WAIT_S": "5", "CELERY_BROKER_URL": redis_broker,
         "PYTHONUNBUFFERED": "1",
     })
     log = tmp_path / "worker.log"
