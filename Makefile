@@ -2,10 +2,10 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-# Python 3.12+ (mitmproxy 12 and Django 6 need it): the first one found.
-PYTHON312 ?= $(shell for p in python3.13 python3.12; do \
-	  if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys' >/dev/null 2>&1; then command -v $$p; exit 0; fi; done; \
-	  ls -d $$HOME/.pyenv/versions/3.1[23]*/bin/python3.1[23] 2>/dev/null | tail -n 1)
+# Python 3.12 (mitmproxy 12 and Django 6 need 3.12+; the pgserver wheel exists for 3.12 only).
+PYTHON312 ?= $(shell if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' >/dev/null 2>&1; \
+	  then command -v python3.12; else ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 \
+	  /usr/local/bin/python3.12 /usr/bin/python3.12 2>/dev/null | tail -n 1; fi)
 UV ?= $(shell command -v uv 2>/dev/null || echo $$HOME/.local/bin/uv)
 VENV := .venv
 EXTRAS ?= --extra train
