@@ -75,8 +75,13 @@ def _loads_any(data: bytes | None) -> Any:
         return None
 
 
-def _text_of(content: Any) -> str:
-    """Text of a message content: a string, or a list of parts ({type: text|input_text, text})."""
+_TEXT_PART_TYPES = {"text", "input_text", "output_text"}
+
+
+def message_text(content: Any) -> str:
+    """The text of an OpenAI message content: a string, or the text parts of a list joined
+    (image/audio/file parts contribute nothing). Shared by the proxy's trajectory inference,
+    the step builder and the trainer's prompt building, so all three read a message alike."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -86,10 +91,12 @@ def _text_of(content: Any) -> str:
         for part in content:
             if isinstance(part, str):
                 parts.append(part)
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type", "text") in _TEXT_PART_TYPES:
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
         return "".join(parts)
-    return ""
+    return str(content)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -328,7 +335,7 @@ def system_prompt_text(endpoint: str, req: dict) -> str | None:
     if isinstance(messages, list):
         for m in messages:
             if isinstance(m, dict) and m.get("role") in ("system", "developer"):
-                texts.append(_text_of(m.get("content")))
+                texts.append(message_text(m.get("content")))
     return "\n".join(texts) if texts else None
 
 
@@ -403,7 +410,7 @@ class _ChatChoice:
         if isinstance(msg.get("role"), str):
             self.role = msg["role"]
         self.content = msg.get("content") if isinstance(msg.get("content"), str) else (
-            _text_of(msg.get("content")) or None)
+            message_text(msg.get("content")) or None)
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         self.reasoning = reasoning if isinstance(reasoning, str) else None
         self.refusal = msg.get("refusal") if isinstance(msg.get("refusal"), str) else None

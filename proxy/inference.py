@@ -33,10 +33,10 @@ from typing import Any
 
 import orjson
 
+from governance.capture import message_text  # Django-free
 from proxy.ids import new_id, session_trajectory_id
 
 SESSION, PREFIX, PREVIOUS_RESPONSE, NEW = "session", "prefix", "previous_response", "new"
-_TEXT_PART_TYPES = {"text", "input_text", "output_text"}
 
 Scope = tuple[int, int]  # (tenant id, agent id)
 
@@ -45,25 +45,6 @@ Scope = tuple[int, int]  # (tenant id, agent id)
 class Decision:
     trajectory_id: str
     source: str
-
-
-def message_text(content: Any) -> str:
-    """The text of an OpenAI message content: a string, or the text parts of a list joined."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") in _TEXT_PART_TYPES:
-                text = part.get("text")
-                if isinstance(text, str):
-                    parts.append(text)
-        return "".join(parts)
-    return str(content)
 
 
 def canonical_message(message: Any) -> bytes:

@@ -100,3 +100,20 @@ def django_db_setup(django_db_setup, django_db_blocker):
     settings.STEWARD_DB_SCOPE_ROLE = APP_ROLE
     yield
     settings.STEWARD_DB_SCOPE_ROLE = previous
+
+
+@pytest.fixture
+def people(make_member, tenant, other_tenant, api_client_for):
+    """(users, clients) keyed by role: an owner (admin), a steward, two compliance officers
+    (four eyes needs a second), an auditor, and an outsider (admin of another tenant)."""
+    users = {
+        "admin": make_member("admin", "owner"),
+        "steward": make_member("steward", "stew"),
+        "compliance": make_member("compliance", "comp"),
+        "compliance2": make_member("compliance", "comp2"),
+        "auditor": make_member("auditor", "aud"),
+        "outsider": make_member("admin", "outsider", on=other_tenant),
+    }
+    clients = {name: api_client_for(u, other_tenant if name == "outsider" else tenant)
+               for name, u in users.items()}
+    return users, clients

@@ -32,21 +32,6 @@ def agents(tenant, other_tenant):
     }
 
 
-@pytest.fixture
-def people(make_member, tenant, other_tenant, api_client_for):
-    users = {
-        "admin": make_member("admin", "owner"),
-        "steward": make_member("steward", "stew"),
-        "compliance": make_member("compliance", "comp"),
-        "compliance2": make_member("compliance", "comp2"),
-        "auditor": make_member("auditor", "aud"),
-        "outsider": make_member("admin", "outsider", on=other_tenant),
-    }
-    clients = {name: api_client_for(u, other_tenant if name == "outsider" else tenant)
-               for name, u in users.items()}
-    return users, clients
-
-
 def test_eligibility_never_includes_no_train_quarantined_unsanitized_or_empty(tenant, agents):
     a = agents["support"]
     good = make_trajectory(tenant, a)

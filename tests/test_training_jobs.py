@@ -77,20 +77,6 @@ def sum_trajectory(tenant, agent, a: int, b: int, *, reference: str | None = "te
 
 
 @pytest.fixture
-def people(make_member, tenant, other_tenant, api_client_for):
-    users = {
-        "admin": make_member("admin", "owner"),
-        "steward": make_member("steward", "stew"),
-        "compliance": make_member("compliance", "comp"),
-        "auditor": make_member("auditor", "aud"),
-        "outsider": make_member("admin", "outsider", on=other_tenant),
-    }
-    clients = {name: api_client_for(u, other_tenant if name == "outsider" else tenant)
-               for name, u in users.items()}
-    return users, clients
-
-
-@pytest.fixture
 def var_dir(settings, tmp_path):
     settings.VAR_DIR = tmp_path / "var"
     return settings.VAR_DIR

@@ -39,6 +39,7 @@ from typing import Any
 
 from django.db.models import Q
 
+from governance.capture import message_text
 from governance.models import DatasetVersion, DatasetVersionMember, Reward, Step
 
 CHUNK = 500
@@ -72,27 +73,11 @@ def version_refusal(version: DatasetVersion) -> str | None:
     return None
 
 
-def _text(content: Any) -> str:
-    """Message content as text: a string as is, content parts joined (text parts only)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-        return "".join(parts)
-    return json.dumps(content, sort_keys=True)
-
-
 def normalize_message(m: dict[str, Any]) -> dict[str, Any]:
     """One chat message with a uniform shape (the parquet struct of trainer/exports.py):
     role, content (text), and tool_calls / tool_call_id / name where present."""
-    out: dict[str, Any] = {"role": str(m.get("role") or "user"), "content": _text(m.get("content"))}
+    out: dict[str, Any] = {"role": str(m.get("role") or "user"),
+                           "content": message_text(m.get("content"))}
     calls = []
     for call in m.get("tool_calls") or []:
         if not isinstance(call, dict):
