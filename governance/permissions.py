@@ -32,11 +32,13 @@ PERMISSIONS: dict[str, str] = {
     "request_approval": "submit a frozen version for approval",
     "approve": "approve or reject a version — never one they froze or requested",
     "erase": "file GDPR Art. 17 erasure requests and read their certificates",
-    "launch_training": "start training jobs on approved versions",
+    "read_training": "see training jobs, their curves and checkpoints with lineage",
+    "launch_training": "start, cancel and resume training jobs on approved versions",
     "manage_keys": "create and revoke proxy keys and API tokens",
     "manage_members": "add members and change their roles",
     "read_retention": "read retention policies",
     "manage_retention": "create, change and delete retention policies",
+    "manage_sanitizer": "change the tenant's sanitizer policy (operator per entity type)",
     "read_audit": "list the tenant's audit events",
     "verify_audit": "verify the audit hash chain",
 }
@@ -47,14 +49,16 @@ ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     Role.ADMIN: _ALL - {"approve", "read_raw_payloads"},
     Role.STEWARD: frozenset({
         "read_trajectories", "record_rewards", "read_datasets", "manage_datasets",
-        "request_approval", "launch_training", "read_retention",
+        "request_approval", "read_training", "launch_training", "read_retention",
     }),
     Role.COMPLIANCE: frozenset({
         "read_trajectories", "read_raw_payloads", "read_datasets", "approve", "erase",
-        "read_retention", "manage_retention", "read_audit", "verify_audit",
+        "read_training", "read_retention", "manage_retention", "manage_sanitizer",
+        "read_audit", "verify_audit",
     }),
     Role.AUDITOR: frozenset({
-        "read_trajectories", "read_datasets", "read_retention", "read_audit", "verify_audit",
+        "read_trajectories", "read_datasets", "read_training", "read_retention", "read_audit",
+        "verify_audit",
     }),
 }
 

@@ -34,7 +34,8 @@ def test_table_covers_every_role_and_separates_duties():
     # Whoever may request approval may not approve, and the auditor only reads.
     assert not holders["request_approval"] & holders["approve"]
     assert {p for p in PERMISSIONS if role_has("auditor", p)} == {
-        "read_trajectories", "read_datasets", "read_retention", "read_audit", "verify_audit"}
+        "read_trajectories", "read_datasets", "read_training", "read_retention", "read_audit",
+        "verify_audit"}
     assert all(role_has(r, "read_trajectories") for r in ROLES)
     assert not role_has("", "read_trajectories") and not role_has("owner", "approve")
     with pytest.raises(KeyError):
