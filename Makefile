@@ -10,7 +10,7 @@ UV ?= $(shell command -v uv 2>/dev/null || echo $$HOME/.local/bin/uv)
 VENV := .venv
 EXTRAS ?= --extra train
 
-.PHONY: help install up down test lint bench clean
+.PHONY: help install up down test lint bench clean browser
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -34,7 +34,14 @@ down:  ## stop a left-over embedded PostgreSQL
 lint: install  ## ruff
 	$(VENV)/bin/ruff check .
 
-test: install  ## ruff, then the whole pytest suite
+# The console's browser tests drive Debian's Chromium through Playwright (no browser download).
+CHROMIUM ?= /usr/bin/chromium
+browser:  ## install Debian's chromium for the browser tests (needs root or sudo)
+	@test -x $(CHROMIUM) || { SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium \
+	  || { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }; }
+
+test: install browser  ## ruff, then the whole pytest suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest
 

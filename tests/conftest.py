@@ -13,7 +13,7 @@ import pytest
 # A master key for the test run, unless CI/the developer set one.
 os.environ.setdefault("STEWARD_MASTER_KEY", base64.b64encode(os.urandom(32)).decode())
 
-pytest_plugins = ["tests.live"]
+pytest_plugins = ["tests.live", "tests.browser"]
 
 
 @pytest.fixture(autouse=True)

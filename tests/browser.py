@@ -1,0 +1,99 @@
+"""Browser tests in real headless Chromium: Debian's `chromium` driven by Playwright (its Python
+package talks to the browser over CDP; no browser is downloaded) against pytest-django's live
+server, which runs the real middleware, templates and static files (htmx, Chart.js).
+
+`console` opens a logged-in page per person; every page records browser console errors, failed
+requests and uncaught exceptions, and the test fails on any of them (`assert_clean`).
+Screenshots go to STEWARD_TEST_ARTIFACTS (default: test-artifacts/screenshots in the repo)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = os.environ.get("STEWARD_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(os.environ.get("STEWARD_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+PASSWORD = "correct horse battery staple"
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-extensions",
+                 "--no-first-run", "--disable-default-apps"]
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Iterator[Any]:
+    """One Chromium for the session. A missing browser is an error, not a skip: `make test`
+    installs it (Makefile target `browser`)."""
+    if not (shutil.which(CHROMIUM) or Path(CHROMIUM).exists()):
+        raise RuntimeError(f"Chromium not found at {CHROMIUM}: run `make browser` "
+                           "(apt-get install chromium) or set STEWARD_CHROMIUM")
+    # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are
+    # still synchronous and safe, so Django's async guard is lifted for these tests only.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@dataclass
+class ConsolePage:
+    page: Any
+    base_url: str
+    name: str
+    problems: list[str] = field(default_factory=list)
+
+    def go(self, path: str) -> Any:
+        response = self.page.goto(self.base_url + path)
+        assert response is not None and response.status < 400, (path, response and
+                                                                  response.status)
+        return response
+
+    def shot(self, name: str) -> Path:
+        out = ARTIFACTS / "screenshots" / f"{name}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.page.screenshot(path=str(out), full_page=True)
+        return out
+
+    def assert_clean(self) -> None:
+        assert self.problems == [], f"browser problems on {self.name}'s pages: {self.problems}"
+
+
+@pytest.fixture
+def console(chromium, live_server) -> Iterator[Any]:
+    """console(user) -> a ConsolePage logged in through the real login form."""
+    contexts = []
+
+    def open_as(user: Any, password: str = PASSWORD) -> ConsolePage:
+        context = chromium.new_context(viewport={"width": 1280, "height": 900})
+        contexts.append(context)
+        page = context.new_page()
+        page.set_default_timeout(15_000)
+        cp = ConsolePage(page, live_server.url, user.username)
+        page.on("console", lambda msg: msg.type == "error" and cp.problems.append(
+            f"console: {msg.text}"))
+        page.on("pageerror", lambda exc: cp.problems.append(f"pageerror: {exc}"))
+        page.on("requestfailed", lambda req: cp.problems.append(
+            f"requestfailed: {req.url} {req.failure}"))
+        page.on("response", lambda resp: resp.status >= 500 and cp.problems.append(
+            f"HTTP {resp.status}: {resp.url}"))
+        cp.go("/login/")
+        page.get_by_label("Username").fill(user.username)
+        page.get_by_label("Password").fill(password)
+        page.get_by_role("button", name="Log in").click()
+        page.wait_for_url(live_server.url + "/")
+        return cp
+
+    yield open_as
+    for context in contexts:
+        context.close()
