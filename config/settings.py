@@ -169,6 +169,7 @@ CELERY_TASK_ROUTES = {
     "governance.tasks.purge_expired": {"queue": "capture"},
     "governance.erasure.erase_subject": {"queue": "capture"},
     "governance.erasure.resume_erasures": {"queue": "capture"},
+    "governance.tasks.evaluate_canaries": {"queue": "capture"},
     "trainer.tasks.run_training_job": {"queue": "gpu"},
 }
 CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)
@@ -182,6 +183,8 @@ CELERY_BEAT_SCHEDULE: dict = {
                                      "schedule": 300.0},
     # Erasure requests whose message was lost or whose worker died.
     "resume-erasures": {"task": "governance.erasure.resume_erasures", "schedule": 60.0},
+    # Canary routes (issue 7): automatic promotion / rollback from the arms' rewards.
+    "evaluate-canaries": {"task": "governance.tasks.evaluate_canaries", "schedule": 30.0},
 }
 
 # --- Steward ----------------------------------------------------------------------------
@@ -198,6 +201,11 @@ STEWARD_MASTER_KEY_FILE = os.environ.get("STEWARD_MASTER_KEY_FILE", str(VAR_DIR 
 # master key so a single secret is enough for the embedded appliance.
 STEWARD_RAW_RETENTION_DAYS = env_int("STEWARD_RAW_RETENTION_DAYS", 7)
 STEWARD_HARNESS_VERSION = "steward-proxy/0.1"
+# SGLang serving the policy on a GPU host (deploy/sglang/launch.sh): training jobs with
+# rollout_backend "sglang" sample from it and push weights to it; promotion and rollback push
+# the chosen checkpoint to it. Empty: jobs roll out with HF transformers in the worker.
+STEWARD_SGLANG_URL = os.environ.get("STEWARD_SGLANG_URL", "")
+STEWARD_SGLANG_API_KEY = os.environ.get("STEWARD_SGLANG_API_KEY", "")
 
 LOGGING = {
     "version": 1,

@@ -20,6 +20,11 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 
 
+# "hf": HF transformers generate over the policy itself, in the worker (CPU or GPU).
+# "sglang": an SGLang server (trainer.rollout.SGLangRollout); weights pushed after every step.
+ROLLOUT_BACKENDS = ("hf", "sglang")
+
+
 @dataclass
 class GRPOConfig:
     # --- model / output
@@ -32,6 +37,8 @@ class GRPOConfig:
     # --- rollout
     group_size: int = 8                   # actor_rollout_ref.rollout.n: samples per prompt
     temperature: float = 1.0              # actor_rollout_ref.rollout.temperature
+    rollout_backend: str = "hf"           # actor_rollout_ref.rollout.name: "hf" | "sglang"
+    rollout_url: str = ""                 # the SGLang server; "" = STEWARD_SGLANG_URL
     # --- actor update
     lr: float = 1e-6                      # actor_rollout_ref.actor.optim.lr
     weight_decay: float = 0.01            # actor_rollout_ref.actor.optim.weight_decay
@@ -74,6 +81,8 @@ class GRPOConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.ppo_mini_batch_size and self.train_batch_size % self.ppo_mini_batch_size:
             raise ValueError("train_batch_size must be a multiple of ppo_mini_batch_size")
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout_backend must be one of {ROLLOUT_BACKENDS}")
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0 for GRPO sampling")
 

@@ -91,9 +91,14 @@ def build_config(overrides: dict[str, Any] | None, base_model: str, base_path: P
     data = {**JOB_DEFAULTS, **(TINY_DEFAULTS if base_model == TINY_BASE else {}), **overrides,
             "model_path": str(base_path), "output_dir": str(output_dir), "extra": provenance}
     try:
-        return GRPOConfig.from_dict(data).to_dict()
+        config = GRPOConfig.from_dict(data)
     except (TypeError, ValueError) as exc:
         raise ServiceError(f"invalid training config: {exc}") from None
+    if config.rollout_backend == "sglang" and not (config.rollout_url
+                                                   or settings.STEWARD_SGLANG_URL):
+        raise ServiceError("rollout_backend 'sglang' needs rollout_url in the config or "
+                           "STEWARD_SGLANG_URL on the workers")
+    return config.to_dict()
 
 
 def _check_trainable(version: DatasetVersion) -> None:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import shared_task
+from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 from django.db.models import Q
 from django.utils import timezone
@@ -296,6 +297,21 @@ class JobRun:
         return self.stop_reason is not None
 
 
+def rollout_backend(config: Any) -> Any:
+    """The job's rollout engine: None for "hf" (the loop samples from the policy it trains), an
+    SGLangRollout for "sglang". Weights reach SGLang through `<output_dir>/sglang-weights`, a
+    directory the worker and the SGLang server must both see (same host, or a shared volume)."""
+    if config.rollout_backend == "hf":
+        return None
+    from trainer.rollout import SGLangRollout
+
+    url = config.rollout_url or settings.STEWARD_SGLANG_URL
+    if not url:
+        raise ValueError("rollout_backend 'sglang' needs rollout_url or STEWARD_SGLANG_URL")
+    return SGLangRollout(url, staging_dir=Path(config.output_dir) / "sglang-weights",
+                         api_key=settings.STEWARD_SGLANG_API_KEY or None)
+
+
 def run_job(job_id: int, tenant_id: int) -> str:
     """Steps 3-5 of the module docstring for a claimed job; returns its final status."""
     # 3. The gate, then everything the run needs from the database, in one short read.
@@ -333,8 +349,8 @@ def run_job(job_id: int, tenant_id: int) -> str:
         raise ValueError(f"no trainable tasks in dataset version {version.pk}: {summary}")
 
     run = JobRun(job, version, trajectory_ids, sanitizers)
-    train(config, model, tokenizer, tasks, job.reward_fn, on_step=run.on_step,
-          should_stop=run.should_stop, resume_from="auto")
+    train(config, model, tokenizer, tasks, job.reward_fn, rollout_backend(config),
+          on_step=run.on_step, should_stop=run.should_stop, resume_from="auto")
 
     # 5. How it ended.
     if run.stop_reason and run.stop_reason.startswith("refused"):
