@@ -2,5 +2,6 @@ from django.urls import include, path
 
 urlpatterns = [
     path("api/", include("governance.api_urls")),
+    path("", include("trainer.urls")),
     path("", include("governance.urls")),
 ]

@@ -2,10 +2,11 @@
 dataset exports. Tenant scoping, permissions and error mapping are governance's
 (TenantScopedViewSet, HasTenantPermission, call_service); the rules are in trainer/services.py.
 
-Permissions: jobs (list, create, retrieve, cancel, resume) and exports (dataset versions and
-checkpoints) need `launch_training` — exporting a version is training on it elsewhere, so the
-same people pass the same gate. Checkpoint lineage (list, retrieve with the manifest) needs
-`read_datasets`: compliance officers and auditors trace what a model learned from.
+Permissions: reading jobs and checkpoints (list, retrieve: progress, curves, lineage
+manifests) needs `read_training` — compliance officers and auditors trace what a model learned
+from. Acting (create, cancel, resume) and exports (dataset versions and checkpoints) need
+`launch_training` — exporting a version is training on it elsewhere, so the same people pass
+the same gate.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class TrainingJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenan
     model = TrainingJob
     serializer_class = TrainingJobSerializer
     pagination_class = CreatedAtCursorPagination
-    required_permission = "launch_training"
+    required_permission = "read_training"
+    action_permissions = {"create": "launch_training"}
 
     def get_serializer_class(self) -> type:
         return TrainingJobDetailSerializer if self.action == "retrieve" else TrainingJobSerializer
@@ -137,13 +139,13 @@ class TrainingJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenan
         return Response(TrainingJobSerializer(job).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={200: TrainingJobSerializer})
-    @action(detail=True, methods=["post"])
+    @action(detail=True, methods=["post"], required_permission="launch_training")
     def cancel(self, request: Request, pk: Any = None) -> Response:
         job = call_service(cancel_training_job, request.user, self.get_object())
         return Response(TrainingJobSerializer(job).data)
 
     @extend_schema(request=ResumeSerializer, responses={200: TrainingJobSerializer})
-    @action(detail=True, methods=["post"])
+    @action(detail=True, methods=["post"], required_permission="launch_training")
     def resume(self, request: Request, pk: Any = None) -> Response:
         body = ResumeSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -160,7 +162,7 @@ class CheckpointViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenant
     model = Checkpoint
     serializer_class = CheckpointSerializer
     pagination_class = CreatedAtCursorPagination
-    required_permission = "read_datasets"
+    required_permission = "read_training"
 
     def get_serializer_class(self) -> type:
         return CheckpointDetailSerializer if self.action == "retrieve" else CheckpointSerializer
