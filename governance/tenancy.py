@@ -127,7 +127,10 @@ def _scoped(scope: Scope, using: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
             _pop(stack)
             raise
         _pop(stack)
-        _apply(outer, using)
+        # Marked for rollback (a view's database error answered as a 500): the rollback
+        # restores the outer settings, and any SQL now would raise on top of the real error.
+        if not transaction.get_rollback(using):
+            _apply(outer, using)
 
 
 def _pop(stack: list[Scope]) -> None:

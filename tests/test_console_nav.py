@@ -35,3 +35,35 @@ def test_each_role_sees_only_what_it_may_open(client, make_member, role):
         assert (href in nav) == allowed, (role, item.url_name)
         status = client.get(reverse(item.url_name)).status_code
         assert status == (200 if allowed else 403), (role, item.url_name, status)
+
+
+def test_a_database_error_in_a_view_is_a_plain_500(client, make_member, monkeypatch):
+    """The request transaction is marked for rollback after a view's database error; leaving
+    the tenant scope must not run SQL on it (that raised TransactionManagementError over the
+    real error)."""
+    from django.db import connection
+
+    from governance.views import overview
+
+    def broken(request, *args, **kwargs):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT * FROM no_such_table")
+
+    client.force_login(make_member("admin"))
+    from django.urls import path
+
+    from config import urls
+
+    monkeypatch.setattr(urls, "urlpatterns", [path("boom/", overview.console_view(broken)),
+                                              *urls.urlpatterns])
+    from django.urls import clear_url_caches
+
+    clear_url_caches()
+    from django.db.utils import ProgrammingError
+
+    # The test client re-raises the last exception the handler logged: it must be the view's.
+    try:
+        with pytest.raises(ProgrammingError, match="no_such_table"):
+            client.get("/boom/")
+    finally:
+        clear_url_caches()
