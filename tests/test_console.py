@@ -86,3 +86,19 @@ def test_tenant_switcher_changes_scope(client, make_member, other_tenant, trajec
     assert str(trajectory.id) in client.get("/trajectories/").content.decode()
     client.post("/tenant/switch/", {"tenant": other_tenant.pk})
     assert str(trajectory.id) not in client.get("/trajectories/").content.decode()
+
+
+def test_anonymous_cannot_post_a_raw_read(client, db, trajectory):
+    url = f"/trajectories/{trajectory.id}/steps/{uuid.uuid4()}/raw/"
+    response = client.post(url, {"reason": "x"})
+    assert response.status_code == 302 and response["Location"].startswith("/login/")
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_trajectory_detail_shows_its_governance_to_every_role(client, make_member, trajectory,
+                                                               role):
+    client.force_login(make_member(role))
+    body = client.get(f"/trajectories/{trajectory.id}/").content.decode()
+    assert "<h2>Governance</h2>" in body and "billing-bot" in body
+    assert "No steps built yet" in body and "No rewards yet" in body
+    assert ("Read raw payload" in body) is False  # no step, so no raw form either
