@@ -27,9 +27,7 @@ from typing import Any
 from django import forms
 from django.core import signing
 from django.core.exceptions import PermissionDenied
-from django.db import connection
 from django.db.models import Exists, OuterRef, Q, QuerySet
-from django.db.models.expressions import RawSQL
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import NoReverseMatch, reverse
@@ -39,6 +37,7 @@ from django.utils.safestring import SafeString, mark_safe
 from django.views.decorators.http import require_POST
 
 from governance.atdp import trajectory_document
+from governance.datasets import latest_rewards, reward_within
 from governance.erasure import lookup_hashes
 from governance.models import (
     Agent,
@@ -156,36 +155,6 @@ def subject_ref(tenant_id: int, subject: str) -> str:
     return signing.dumps(lookup_hashes(tenant_id, subject), salt=SUBJECT_SALT, compress=True)
 
 
-# The latest final reward `name` of every trajectory that has one: by its id, or by the upstream
-# response id of one of its steps — governance.datasets.latest_reward_value's rule, computed
-# for all trajectories at once. (That correlated subquery cannot use an index because of its
-# OR and scans the tenant's rewards once per trajectory: seconds at 100,000 trajectories.)
-LATEST_REWARDS_SQL = """
-SELECT DISTINCT ON (x.tid) x.tid, x.value FROM (
-  SELECT r.trajectory_id AS tid, r.value, r.created_at, r.id FROM governance_reward r
-   WHERE r.tenant_id = %s AND r.name = %s AND r.final AND r.trajectory_id IS NOT NULL
-  UNION ALL
-  SELECT s.trajectory_id, r.value, r.created_at, r.id FROM governance_reward r
-   JOIN governance_step s ON s.response_id = r.response_id AND s.tenant_id = r.tenant_id
-   WHERE r.tenant_id = %s AND r.name = %s AND r.final AND r.response_id > ''
-) x ORDER BY x.tid, x.created_at DESC, x.id DESC"""
-
-
-def latest_rewards_sql(tenant_id: int, name: str) -> tuple[str, list[Any]]:
-    return LATEST_REWARDS_SQL, [tenant_id, name, tenant_id, name]
-
-
-def latest_rewards(tenant_id: int, name: str, trajectory_ids: list[Any]) -> dict[Any, float]:
-    """{trajectory id: latest final reward `name`} for the given trajectories."""
-    if not trajectory_ids:
-        return {}
-    sql, params = latest_rewards_sql(tenant_id, name)
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT l.tid, l.value FROM ({sql}) l WHERE l.tid = ANY(%s)",
-                       [*params, list(trajectory_ids)])
-        return dict(cursor.fetchall())
-
-
 def filtered(tenant: Any, data: dict[str, Any]) -> QuerySet:
     qs = Trajectory.objects.for_tenant(tenant)
     if data.get("agent"):
@@ -225,16 +194,7 @@ def filtered(tenant: Any, data: dict[str, Any]) -> QuerySet:
     name = data.get("reward_name")
     lo, hi = data.get("reward_min"), data.get("reward_max")
     if name and (lo is not None or hi is not None):
-        sql, params = latest_rewards_sql(tenant.pk, name)
-        bounds = []
-        if lo is not None:
-            bounds.append("l.value >= %s")
-            params.append(lo)
-        if hi is not None:
-            bounds.append("l.value <= %s")
-            params.append(hi)
-        qs = qs.filter(pk__in=RawSQL(f"SELECT l.tid FROM ({sql}) l WHERE {' AND '.join(bounds)}",
-                                     params))
+        qs = qs.filter(reward_within(tenant.pk, name, lo, hi))
     return qs
 
 
