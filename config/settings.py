@@ -171,6 +171,8 @@ CELERY_TASK_ROUTES = {
     "governance.erasure.resume_erasures": {"queue": "capture"},
     "governance.tasks.evaluate_canaries": {"queue": "capture"},
     "trainer.tasks.run_training_job": {"queue": "gpu"},
+    "trainer.evolution_tasks.run_gates": {"queue": "gpu"},
+    "trainer.evolution_tasks.advance_candidates": {"queue": "capture"},
 }
 CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)
 CELERY_BEAT_SCHEDULE: dict = {
@@ -185,6 +187,9 @@ CELERY_BEAT_SCHEDULE: dict = {
     "resume-erasures": {"task": "governance.erasure.resume_erasures", "schedule": 60.0},
     # Canary routes (issue 7): automatic promotion / rollback from the arms' rewards.
     "evaluate-canaries": {"task": "governance.tasks.evaluate_canaries", "schedule": 30.0},
+    # Evolution candidates (issue 7): follow canary decisions into promote / rollback.
+    "advance-candidates": {"task": "trainer.evolution_tasks.advance_candidates",
+                           "schedule": 30.0},
 }
 
 # --- Steward ----------------------------------------------------------------------------

@@ -339,16 +339,41 @@ def system_prompt_text(endpoint: str, req: dict) -> str | None:
     return "\n".join(texts) if texts else None
 
 
-def versions_of(endpoint: str, req: dict, response_model: str, harness_version: str) -> dict:
+def versions_of(endpoint: str, req: dict, response_model: str, harness_version: str,
+                routing: dict | None = None) -> dict:
     system = system_prompt_text(endpoint, req)
     tools = req.get("tools")
-    return {
+    versions = {
         "gen_ai.request.model": req.get("model") if isinstance(req.get("model"), str) else None,
         "gen_ai.response.model": response_model or None,
         "system_prompt_hash": sha256_hex(system) if system is not None else None,
         "tool_schema_hash": sha256_hex(canonical_json(tools)) if tools else None,
         "harness_version": harness_version or None,
     }
+    versions.update(routing_versions(routing))
+    return versions
+
+
+def routing_versions(routing: Any) -> dict:
+    """The canary route/arm and the context updates the proxy applied (issue 7; the spool
+    record's `routing`, see proxy/routing.py): `route` {"id", "arm"}, `context_update`
+    {"id", "version", "hash"} (the newest applied one) and `context_updates` (all applied,
+    one per kind). Keys are absent when nothing applied."""
+    out: dict[str, Any] = {}
+    if not isinstance(routing, dict):
+        return out
+    route = routing.get("route")
+    if isinstance(route, dict) and isinstance(route.get("id"), int):
+        out["route"] = {"id": route["id"], "arm": str(route.get("arm") or "")}
+    updates = [{"id": u["id"], "version": u.get("version"), "hash": u.get("hash"),
+                "kind": u.get("kind")}
+               for u in routing.get("context_updates") or ()
+               if isinstance(u, dict) and isinstance(u.get("id"), int)]
+    if updates:
+        newest = max(updates, key=lambda u: (u.get("version") or 0, u["id"]))
+        out["context_update"] = {k: newest[k] for k in ("id", "version", "hash")}
+        out["context_updates"] = updates
+    return out
 
 
 # --- chat.completions ------------------------------------------------------------------------
@@ -727,6 +752,7 @@ class Exchange:
     error_text: str | None = None  # status >= 400 and not JSON: its first characters
     stream_error: Any = None  # an error event inside a stream
     stream_meta: dict = field(default_factory=dict)
+    routing: dict | None = None  # canary route / context updates applied (proxy/routing.py)
 
     @property
     def non_json_request(self) -> bool:
@@ -735,7 +761,7 @@ class Exchange:
 
 def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes | None,
                    response_status: int | None, is_stream: bool,
-                   error: dict | None = None) -> Exchange:
+                   error: dict | None = None, routing: dict | None = None) -> Exchange:
     """Parse the exact bytes of an exchange (streams reassembled). Raises `CaptureError` only
     when nothing trustworthy can be built (see the module docstring)."""
     if endpoint not in ENDPOINTS:
@@ -744,7 +770,8 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
     ex = Exchange(endpoint=endpoint, request=_loads_object(request_body),
                   request_bytes=len(request_body), response=None,
                   response_status=response_status, is_stream=is_stream,
-                  transport_error=dict(error) if isinstance(error, dict) else None)
+                  transport_error=dict(error) if isinstance(error, dict) else None,
+                  routing=routing if isinstance(routing, dict) else None)
     transport_failed = bool(error) and error.get("kind") not in (None, "client_disconnected")
     succeeded = (response_status is not None and 200 <= response_status < 300
                  and not transport_failed)
@@ -873,7 +900,7 @@ def fields_from_exchange(ex: Exchange, *, t_request: float | None = None,
         "tokens": parsed["tokens"],
         "usage": otel_usage(top.get("usage")),
         "timings": timings,
-        "versions": versions_of(endpoint, req, response_model, harness_version),
+        "versions": versions_of(endpoint, req, response_model, harness_version, ex.routing),
         "metadata": metadata,
         "error": _error_of(ex),
     }

@@ -22,8 +22,11 @@ from django.db import connection
 from governance.crypto import new_data_key, open_sealed, seal, unwrap_data_key, wrap_data_key
 from governance.models import DataKey, Interaction
 
+# `routing`: the canary route/arm and context updates the proxy applied (proxy/routing.py);
+# the step builder copies it into the step's `versions`.
 RAW_FIELDS = ("method", "path", "request_headers", "request_body", "request_is_json",
-              "response_status", "response_headers", "response_body", "is_stream", "error")
+              "response_status", "response_headers", "response_body", "is_stream", "error",
+              "routing")
 
 
 INSERT_CHUNK = 1000

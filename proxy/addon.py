@@ -65,6 +65,7 @@ from proxy.inference import (  # noqa: E402
     response_id,
 )
 from proxy.keys import KeyInfo, KeyTable  # noqa: E402
+from proxy.routing import NO_PLAN, Plan, RoutingTable, apply_plan, upstream_parts  # noqa: E402
 from proxy.spool import SpoolWriter  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
@@ -102,6 +103,8 @@ class Settings:
         self.upstream_timeout: float = values["upstream_timeout"]
         self.upstream_api_key: str = values["upstream_api_key"]
         self.key_refresh_seconds: float = values["key_refresh_seconds"]
+        self.routing_refresh_seconds: float = values.get("routing_refresh_seconds", 5.0)
+        self.route_sticky_max: int = values.get("route_sticky_max", 200_000)
         self.database_url: str = values["database_url"]
         self.master_key_env: str = values["master_key_env"]
         self.master_key_file: str = values["master_key_file"]
@@ -120,6 +123,8 @@ class Settings:
             upstream_timeout=_env_float("STEWARD_UPSTREAM_TIMEOUT", 600.0),
             upstream_api_key=os.environ.get("STEWARD_UPSTREAM_API_KEY", "").strip(),
             key_refresh_seconds=_env_float("STEWARD_KEY_REFRESH_SECONDS", 1.0),
+            routing_refresh_seconds=_env_float("STEWARD_ROUTING_REFRESH_SECONDS", 5.0),
+            route_sticky_max=_env_int("STEWARD_ROUTE_STICKY_MAX", 200_000),
             database_url=os.environ.get("DATABASE_URL", ""),
             master_key_env=os.environ.get("STEWARD_MASTER_KEY", ""),
             master_key_file=os.environ.get("STEWARD_MASTER_KEY_FILE",
@@ -132,7 +137,7 @@ class Capture:
 
     __slots__ = ("key", "endpoint", "decision", "step_id", "session", "subject", "consent",
                  "request_headers", "request_body", "request_json", "hashes", "chunks",
-                 "t_first_byte", "finished")
+                 "t_first_byte", "finished", "routing")
 
     def __init__(self, key: KeyInfo, endpoint: str, decision: Decision, step_id: str,
                  session: str | None, subject: str | None, consent: str,
@@ -152,6 +157,7 @@ class Capture:
         self.chunks: list[bytes] | None = None  # SSE tee
         self.t_first_byte: float | None = None
         self.finished = False
+        self.routing: dict | None = None  # route/arm and context updates applied (routing.py)
 
 
 def _header_text(value: bytes | None) -> str:
@@ -167,11 +173,19 @@ def _b64(data: bytes | None) -> str | None:
     return None if data is None else base64.b64encode(data).decode("ascii")
 
 
+def _routing_record(plan: Plan, applied: list) -> dict | None:
+    if plan.route_id is None and not applied:
+        return None
+    return {"route": {"id": plan.route_id, "arm": plan.arm} if plan.route_id else None,
+            "context_updates": [u.version_info() for u in applied]}
+
+
 class Steward:
     def __init__(self) -> None:
         self.settings: Settings | None = None
         self.spool: SpoolWriter | None = None
         self.keys: KeyTable | None = None
+        self.routing: RoutingTable | None = None
         self.index = TrajectoryIndex()
         self.broken: str | None = None
         self.instance = f"{socket.gethostname()}:?"
@@ -202,6 +216,15 @@ class Steward:
                     log.warning("key table: initial load failed, starting from %s: %s",
                                 self.keys.loaded_from, e)
                 self.keys.start()
+            # Canary routes and context updates (issue 7): loaded before serving like the keys;
+            # a database that is down only means the last snapshot file applies.
+            self.routing = RoutingTable(
+                s.database_url, s.spool_dir.parent / "proxy-routes.json",
+                s.spool_dir.parent / "proxy-route-assignments.jsonl",
+                s.routing_refresh_seconds, s.route_sticky_max)
+            if s.database_url:
+                self.routing.load_initial()
+                self.routing.start()
             self._upstream_auth = b"Bearer " + s.upstream_api_key.encode()
         except Exception as e:  # fail closed: never forward uncaptured traffic
             self.broken = f"Steward proxy is misconfigured: {e}"
@@ -223,6 +246,8 @@ class Steward:
         port = getattr(ctx.options, "listen_port", None) or os.environ.get(
             "STEWARD_PROXY_PORT", "8080")
         self.instance = f"{socket.gethostname()}:{port}"
+        if self.routing is not None:
+            self.routing.attach_loop(asyncio.get_running_loop())
         log.info("steward proxy %s ready (%d keys from %s)", self.instance,
                  len(self.keys.table) if self.keys else 0,
                  self.keys.loaded_from if self.keys else "-")
@@ -230,6 +255,8 @@ class Steward:
     def done(self) -> None:
         if self.keys is not None:
             self.keys.stop()
+        if self.routing is not None:
+            self.routing.stop()
         if self.spool is not None:
             self._hand_off()
             self.spool.close()
@@ -349,12 +376,43 @@ class Steward:
                 body.get("messages"), list) and body["messages"]:
             hashes = prefix_hashes(body["messages"])
         decision = decide(self.index, scope, endpoint, body, session, hashes)
-        flow.metadata["steward"] = Capture(
+        routing, raw = self._route(flow, endpoint, key, decision, body, raw)
+        flow.metadata["steward"] = cap = Capture(
             key=key, endpoint=endpoint, decision=decision, step_id=str(uuid.uuid4()),
             session=session, subject=subject, consent=consent,
             request_headers=recorded or [], request_body=raw,
             request_json=body if is_json else None, hashes=hashes,
         )
+        cap.routing = routing
+
+    def _route(self, flow: http.HTTPFlow, endpoint: str, key: KeyInfo, decision: Decision,
+               body: Any, raw: bytes) -> tuple[dict | None, bytes]:
+        """Apply the session's canary arm and the context updates in force (proxy/routing.py):
+        another upstream and/or model, a rewritten body. Returns the record's `routing` and
+        the body as forwarded (what the spool records: what the upstream received). The
+        prefix hashes were taken from the agent's own messages, so inference is unaffected."""
+        if self.routing is None:
+            return None, raw
+        try:
+            plan = self.routing.plan(key.tenant_id, key.agent_id, decision.trajectory_id,
+                                     decision.source)
+        except Exception:  # routing must never take the proxy down: fall back to control
+            log.exception("routing: plan failed for %s", flow.id)
+            plan = NO_PLAN
+        if plan is NO_PLAN:
+            return None, raw
+        applied = apply_plan(endpoint, body, plan) if plan.changes_request else []
+        req = flow.request
+        if applied or (plan.model and isinstance(body, dict) and "model" in body):
+            raw = orjson.dumps(body)
+            req.content = raw
+        if plan.upstream_url:
+            parts = upstream_parts(plan.upstream_url)
+            if parts is not None:
+                req.scheme, req.host, req.port = parts[0], parts[1], parts[2]
+                if parts[3]:
+                    req.path = parts[3] + req.path
+        return _routing_record(plan, applied), raw
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         self._disarm_timeout(flow)
@@ -487,6 +545,7 @@ class Steward:
             "response_body": _b64(body),
             "is_stream": is_stream,
             "error": error,
+            "routing": cap.routing,
             "t_request": flow.request.timestamp_start,
             "t_first_byte": cap.t_first_byte,
             "t_end": t_end,

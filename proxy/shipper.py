@@ -320,9 +320,11 @@ class Shipper:
         for p in prepared:
             by_traj[p.trajectory_id].append(p)
         new_trajs = []
+        routes = _known_routes(prepared)
         for tid, items in by_traj.items():
             first = min(items, key=lambda p: p.started_at)
             rec = first.record
+            route_id, route_arm = _route_of(rec, first.agent_id, routes)
             new_trajs.append(Trajectory(
                 id=tid, tenant_id=first.tenant_id, agent_id=first.agent_id,
                 session_id=(rec.get("session_id") or "")[:256]
@@ -336,6 +338,7 @@ class Shipper:
                 started_at=first.started_at,
                 last_step_at=max(p.started_at for p in items),
                 step_count=0,
+                route_id=route_id, route_arm=route_arm,
             ))
         Trajectory.objects.bulk_create(new_trajs, ignore_conflicts=True)
         owners = dict(Trajectory.objects.filter(pk__in=list(by_traj))
@@ -511,6 +514,34 @@ class Shipper:
             if not counts.records and not counts.bad_lines:
                 time.sleep(interval)
         return total
+
+
+def _route_field(rec: Any) -> tuple[Any, Any]:
+    routing = rec.get("routing") if isinstance(rec, dict) else None
+    route = routing.get("route") if isinstance(routing, dict) else None
+    if not isinstance(route, dict):
+        return None, None
+    return route.get("id"), route.get("arm")
+
+
+def _known_routes(prepared: list[_Prepared]) -> dict[int, int]:
+    """route id -> agent id of the canary routes the records name, as far as they exist in
+    the current tenant scope (a stale or forged id must not break the batch's foreign key)."""
+    from governance.models import PolicyRoute
+
+    ids = {rid for p in prepared for rid in [_route_field(p.record)[0]] if _is_int(rid)}
+    if not ids:
+        return {}
+    return dict(PolicyRoute.objects.filter(pk__in=ids).values_list("id", "agent_id"))
+
+
+def _route_of(rec: Any, agent_id: int, routes: dict[int, int]) -> tuple[int | None, str]:
+    """Trajectory.route / route_arm from the record the trajectory starts with (the proxy
+    keeps a session on one arm, proxy/routing.py)."""
+    rid, arm = _route_field(rec)
+    if _is_int(rid) and routes.get(rid) == agent_id and arm in ("control", "candidate"):
+        return rid, arm
+    return None, ""
 
 
 def _close_connection() -> None:

@@ -1,0 +1,468 @@
+"""Canary routing in the proxy (issue 7): deterministic share, sticky sessions, context updates
+applied only for their tenant and agent, and rollbacks in force on the very next request —
+through the real proxy (mitmdump + addon), the official openai client and the demo upstream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import openai
+import orjson
+import pytest
+
+from proxy.routing import (
+    CANDIDATE,
+    CONTROL,
+    Plan,
+    Route,
+    RoutingTable,
+    Snapshot,
+    Update,
+    apply_plan,
+    takes_candidate,
+)
+from tests.live import wait_for_key
+
+pytestmark = pytest.mark.timeout(180)
+
+SNIPPET = "Always answer in French."
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+def table_with(routes: list[Route], updates: list[Update] = (), **kw) -> RoutingTable:
+    table = RoutingTable("", **kw)
+    table.snapshot = Snapshot(list(routes), list(updates))
+    return table
+
+
+# --- assignment (pure) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("share", [0.01, 0.05, 0.1, 0.2, 1 / 3, 0.5, 0.95])
+def test_share_of_new_sessions_is_within_one_point_over_2000(share):
+    table = table_with([Route(7, 1, 2, "canary", share, "", "cand", None)])
+    arms = [table.plan(1, 2, str(uuid.uuid4()), "new").arm for _ in range(2000)]
+    candidates = arms.count(CANDIDATE)
+    assert abs(candidates / 2000 - share) <= 0.01, (share, candidates)
+    # Low discrepancy at every prefix, not only at the end: never a full session off.
+    running = 0
+    for n, arm in enumerate(arms, start=1):
+        running += arm == CANDIDATE
+        assert abs(running - n * share) < 1 + 1e-9
+    print(f"share {share:.4f}: {candidates}/2000 = {candidates / 2000:.4f}")
+
+
+def test_takes_candidate_counts_exactly():
+    for share in (0.05, 0.1, 0.25, 0.3, 0.7):
+        assert sum(takes_candidate(k, share) for k in range(2000)) == round(2000 * share)
+
+
+def test_sessions_are_sticky_and_only_new_ones_are_assigned():
+    table = table_with([Route(7, 1, 2, "canary", 0.5, "", "cand", None)])
+    ids = [str(uuid.uuid4()) for _ in range(50)]
+    first = {i: table.plan(1, 2, i, "session").arm for i in ids}
+    assert set(first.values()) == {CONTROL, CANDIDATE}
+    for _ in range(3):
+        for i in ids:
+            assert table.plan(1, 2, i, "prefix").arm == first[i]
+    # An inferred continuation of a trajectory never seen here began before the route: off it.
+    assert table.plan(1, 2, str(uuid.uuid4()), "prefix").route_id is None
+    # Another agent / tenant: no route.
+    assert table.plan(1, 3, ids[0], "new").route_id is None
+    assert table.plan(9, 2, str(uuid.uuid4()), "new").route_id is None
+
+
+def test_promotion_keeps_control_sessions_and_sends_new_ones_to_candidate():
+    route = Route(7, 1, 2, "canary", 0.5, "", "cand", None)
+    table = table_with([route])
+    ids = [str(uuid.uuid4()) for _ in range(10)]
+    before = {i: table.plan(1, 2, i, "new").arm for i in ids}
+    table.snapshot = Snapshot([Route(7, 1, 2, "promoted", 0.5, "", "cand", None)], [])
+    assert {i: table.plan(1, 2, i, "prefix").arm for i in ids} == before
+    assert all(table.plan(1, 2, str(uuid.uuid4()), "new").arm == CANDIDATE for _ in range(20))
+    # Rolled back: nothing routes any more, candidate sessions included.
+    table.snapshot = Snapshot([], [])
+    assert all(table.plan(1, 2, i, "prefix").route_id is None for i in ids)
+
+
+def test_sessions_seen_before_the_route_stay_off_it():
+    table = table_with([])
+    old = str(uuid.uuid4())
+    assert table.plan(1, 2, old, "session").route_id is None
+    table.snapshot = Snapshot([Route(7, 1, 2, "canary", 1.0, "", "cand", None)], [])
+    assert table.plan(1, 2, old, "session").route_id is None
+    assert table.plan(1, 2, str(uuid.uuid4()), "session").arm == CANDIDATE
+
+
+def test_sticky_map_is_bounded():
+    table = table_with([Route(7, 1, 2, "canary", 0.5, "", "", None)], sticky_max=100)
+    for _ in range(1000):
+        table.plan(1, 2, str(uuid.uuid4()), "new")
+    assert len(table.sessions) == 100
+
+
+def test_assignments_survive_a_restart_through_the_journal(tmp_path):
+    snap = tmp_path / "proxy-routes.json"
+    journal = tmp_path / "proxy-route-assignments.jsonl"
+    route = Route(7, 1, 2, "canary", 0.3, "", "cand", None)
+    table = table_with([route], snapshot_path=snap, journal_path=journal)
+    table._write_snapshot([route], [])
+    ids = [str(uuid.uuid4()) for _ in range(40)]
+    arms = {i: table.plan(1, 2, i, "session").arm for i in ids}
+    table._flush_journal()
+
+    # A restart with the database unreachable: snapshot file + journal.
+    restarted = RoutingTable("postgresql://nobody@127.0.0.1:1/none", snapshot_path=snap,
+                             journal_path=journal)
+    restarted.load_initial()
+    assert restarted.loaded_from == "snapshot"
+    assert {i: restarted.plan(1, 2, i, "session").arm for i in ids} == arms
+    # The sequence continues where it stopped: the share stays exact across the restart.
+    more = [restarted.plan(1, 2, str(uuid.uuid4()), "new").arm for _ in range(60)]
+    assert (list(arms.values()) + more).count(CANDIDATE) == 30
+
+
+def test_a_notification_that_arrived_is_applied_before_the_next_plan(db):
+    """No refresh thread at all: the plan itself reads the listener socket (non-blocking) and
+    drops the rolled-back route, so the request after a rollback never races the thread."""
+    import psycopg
+
+    from tests.live import database_url_from_django
+
+    url = database_url_from_django()
+    table = table_with([Route(7, 1, 2, "canary", 1.0, "", "cand", None)],
+                       [update("system_prompt", {"snippet": "x"}, uid=3)])
+    session = str(uuid.uuid4())
+    assert table.plan(1, 2, session, "session").arm == CANDIDATE
+    listener = psycopg.connect(url, autocommit=True)
+    listener.execute("LISTEN steward_routing")
+    table._listener = listener
+    with psycopg.connect(url, autocommit=True) as other:
+        other.execute("SELECT pg_notify('steward_routing', %s)", [orjson.dumps(
+            {"t": "governance_policyroute", "id": 7, "status": "rolled_back"}).decode()])
+        other.execute("SELECT pg_notify('steward_routing', %s)", [orjson.dumps(
+            {"t": "governance_contextupdate", "id": 3, "status": "rolled_back"}).decode()])
+    plan = table.plan(1, 2, session, "session")
+    assert plan.route_id is None and plan.updates == ()
+    listener.close()
+
+
+def test_a_reload_that_predates_a_rollback_does_not_bring_it_back():
+    table = table_with([Route(7, 1, 2, "canary", 1.0, "", "cand", None)])
+    table._fast_path(orjson.dumps({"t": "governance_policyroute", "id": 7,
+                                   "status": "rolled_back"}).decode())
+    assert not table.snapshot.routes
+    # The thread's reload query began just before the fast path ran: it still says canary.
+    stale = Route(7, 1, 2, "canary", 1.0, "", "cand", None)
+    table._install([stale], [], time.monotonic() - 1)
+    assert not table.snapshot.routes
+    # A reload that began after the rollback settles the tombstone.
+    table._install([], [], time.monotonic())
+    assert not table._tombstones
+
+
+def test_restart_reloads_arms_recorded_on_shipped_trajectories(transactional_db):
+    """A fresh proxy instance (no journal) takes the arms of live routes' trajectories from
+    the database, through the SECURITY DEFINER function, as the app role."""
+    from django.utils import timezone
+
+    from governance.models import Trajectory
+    from governance.routing import start_canary, stop_route
+    from governance.services import create_tenant, ensure_agent
+    from tests.live import database_url_from_django, proxy_database_role
+
+    tenant = create_tenant("system:test", "acme")[0]
+    agent = ensure_agent("system:test", tenant, "bot")
+    route = start_canary("system:test", tenant, agent, candidate_ref="c", share=0.5,
+                         model="cand")
+    now = timezone.now()
+    arms = {}
+    for i in range(6):
+        arm = CANDIDATE if i % 2 else CONTROL
+        traj = Trajectory.objects.create(id=uuid.uuid4(), tenant=tenant, agent=agent,
+                                         started_at=now, last_step_at=now, route=route,
+                                         route_arm=arm)
+        arms[str(traj.pk)] = arm
+    table = RoutingTable(database_url_from_django(proxy_database_role()))
+    table.load_initial()
+    table.drop_connection()
+    assert table.loaded_from == "database"
+    assert table.snapshot.routes[(tenant.pk, agent.pk)].route_id == route.pk
+    assert {t: table.plan(tenant.pk, agent.pk, t, "session").arm for t in arms} == arms
+    stop_route("system:test", route, "done")
+    table = RoutingTable(database_url_from_django(proxy_database_role()))
+    table.load_initial()
+    table.drop_connection()
+    assert not table.sessions and not table.snapshot.routes  # ended routes: nothing to keep
+
+
+# --- rewriting the request (pure) -----------------------------------------------------------
+
+
+def update(kind: str, content: dict, uid: int = 3, version: int = 2) -> Update:
+    return Update(uid, 1, 2, kind, content, version, "active", "h" * 64)
+
+
+def test_system_prompt_snippet_is_appended_or_inserted():
+    plan = Plan(updates=(update("system_prompt", {"snippet": SNIPPET}),))
+    body = {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "hi"}]}
+    assert [u.update_id for u in apply_plan("chat.completions", body, plan)] == [3]
+    assert body["messages"][0] == {"role": "system", "content": f"Be brief.\n\n{SNIPPET}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    apply_plan("chat.completions", body, plan)
+    assert body["messages"][0] == {"role": "system", "content": SNIPPET}
+    body = {"model": "m", "messages": [{"role": "system",
+                                        "content": [{"type": "text", "text": "x"}]}]}
+    apply_plan("chat.completions", body, plan)
+    assert body["messages"][0]["content"][-1] == {"type": "text", "text": SNIPPET}
+    body = {"model": "m", "input": "hi", "instructions": "Be brief."}
+    apply_plan("responses", body, plan)
+    assert body["instructions"] == f"Be brief.\n\n{SNIPPET}"
+    assert apply_plan("completions", {"model": "m", "prompt": "x"}, plan) == []
+
+
+def test_tool_schema_is_rewritten_by_name_and_model_replaced():
+    new = {"description": "Exact arithmetic on decimals",
+           "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}
+    plan = Plan(7, CANDIDATE, "", "cand-model",
+                (update("tool_schema", {"tools": {"calculator": new}}),))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    assert len(apply_plan("chat.completions", body, plan)) == 1
+    assert body["model"] == "cand-model"
+    assert body["tools"][0]["function"] == {"name": "calculator", **new}
+    assert TOOLS[0]["function"]["description"] == "Evaluate arithmetic"  # caller's copy intact
+    flat = {"model": "m", "input": "x", "tools": [{"type": "function", "name": "calculator",
+                                                   "parameters": {}}]}
+    apply_plan("responses", flat, plan)
+    assert flat["tools"][0]["description"] == new["description"]
+    other = {"model": "m", "messages": [], "tools": [{"type": "function", "function": {
+        "name": "search", "parameters": {}}}]}
+    assert apply_plan("chat.completions", other, plan) == []  # no tool of that name: unchanged
+
+
+# --- through the real proxy ---------------------------------------------------------------
+
+
+def client_for(proxy, secret: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.base_url, api_key=secret, max_retries=0, timeout=30)
+
+
+def chat(client: openai.OpenAI, session: str | None = None, content: str = "what is 2+3?",
+         **kw):
+    headers = {"X-Steward-Session": session} if session else None
+    return client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=[{"role": "user", "content": content}],
+        extra_headers=headers, **kw)
+
+
+def upstream_body(server) -> dict:
+    return orjson.loads(server.last_request()["body"])
+
+
+@pytest.fixture
+def world(transactional_db):
+    """Tenant acme with agents a1, a2 and tenant other with agent a1, each with a key."""
+    from governance.services import create_proxy_key, create_tenant
+
+    acme = create_tenant("system:test", "acme")[0]
+    other = create_tenant("system:test", "other")[0]
+    keys = {"a1": create_proxy_key("system:test", acme, "a1"),
+            "a2": create_proxy_key("system:test", acme, "a2"),
+            "other": create_proxy_key("system:test", other, "a1")}
+    return acme, other, keys
+
+
+@pytest.fixture
+def candidate_upstream():
+    from proxy.demo_upstream import start_in_thread
+
+    server = start_in_thread()
+    yield server
+    server.stop()
+
+
+def start(start_proxy, upstream, keys) -> object:
+    proxy = start_proxy(upstream.url, STEWARD_ROUTING_REFRESH_SECONDS="30")
+    for issued in keys.values():
+        wait_for_key(proxy, issued.secret)
+    return proxy
+
+
+def wait_for_model(client, server, model: str, timeout: float = 10.0) -> None:
+    """Poll with fresh sessions until the proxy's snapshot routes them to `model` (used only
+    to wait for a route created while the proxy runs; share 1.0 routes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        chat(client, f"probe-{uuid.uuid4()}")
+        if server.last_request() is not None and upstream_body(server)["model"] == model:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the proxy never routed to {model}")
+
+
+def test_share_and_stickiness_end_to_end(world, start_proxy, fake_upstream, candidate_upstream,
+                                         tmp_path):
+    from governance.models import PolicyRoute, Step, Trajectory
+    from governance.routing import start_canary
+    from tests.pipeline import ship_and_build
+
+    acme, _, keys = world
+    agent = keys["a1"].record.agent
+    route = start_canary("system:test", acme, agent, candidate_ref="candidate:1", share=0.1,
+                         upstream_url=candidate_upstream.url, model="cand-model")
+    proxy = start(start_proxy, fake_upstream, keys)  # loads the route before serving
+    client = client_for(proxy, keys["a1"].secret)
+    fake_upstream.clear()
+    candidate_upstream.clear()
+    arms: dict[str, str] = {}
+    for i in range(200):
+        session = f"s-{i}"
+        raw = chat(client, session)
+        assert raw.parse().choices[0].message.content == "2 + 3 = 5."
+        arms[session] = raw.headers["x-steward-trajectory"]
+    cand = [orjson.loads(r["body"]) for r in candidate_upstream.requests]
+    control = [orjson.loads(r["body"]) for r in fake_upstream.requests]
+    # Deterministic: exactly floor(200 * 0.1) new sessions on the candidate.
+    assert len(cand) == 20 and len(control) == 180
+    assert {b["model"] for b in cand} == {"cand-model"}
+    assert {b["model"] for b in control} == {"demo-model"}
+
+    # Sticky: each session's later calls (with the answer appended) stay on its arm.
+    records = {r["trajectory_id"]: r for r in proxy.wait_for_records(200)}
+    on_candidate = [s for s in arms if records[arms[s]]["routing"]["route"]["arm"] == CANDIDATE]
+    assert len(on_candidate) == 20
+    for session in [*on_candidate[:5], "s-0", "s-1", "s-2"]:
+        expected = records[arms[session]]["routing"]["route"]["arm"]
+        for _ in range(3):
+            n_cand = len(candidate_upstream.requests)
+            chat(client, session, content="and 4+4?")
+            went = CANDIDATE if len(candidate_upstream.requests) > n_cand else CONTROL
+            assert went == expected, session
+
+    # Shipped: the trajectory carries the route and arm; each step's versions name them.
+    all_records = proxy.wait_for_records(200 + 24)
+    ship_and_build(tmp_path / "ship", all_records)
+    trajs = Trajectory.objects.filter(route=route)
+    assert trajs.filter(route_arm=CANDIDATE).count() == 20
+    assert trajs.filter(route_arm=CONTROL).count() == 180
+    step = Step.objects.filter(trajectory__route_arm=CANDIDATE).first()
+    assert step.versions["route"] == {"id": route.pk, "arm": CANDIDATE}
+    assert step.versions["gen_ai.request.model"] == "cand-model"
+    assert PolicyRoute.objects.get(pk=route.pk).status == "canary"
+
+
+def test_context_update_only_for_its_tenant_and_agent_and_gone_after_rollback(
+        world, start_proxy, fake_upstream, tmp_path):
+    from governance.models import Step
+    from governance.routing import (
+        activate_context_update,
+        create_context_update,
+        rollback_context_update,
+    )
+    from tests.pipeline import ship_and_build
+
+    acme, _, keys = world
+    agent = keys["a1"].record.agent
+    proxy = start(start_proxy, fake_upstream, keys)
+    clients = {name: client_for(proxy, k.secret) for name, k in keys.items()}
+    new_schema = {"description": "Exact decimal arithmetic", "parameters": {
+        "type": "object", "properties": {"expr": {"type": "string"}}}}
+    snippet = create_context_update("system:test", acme, agent, kind="system_prompt",
+                                    content={"snippet": SNIPPET}, reason="tone")
+    schema = create_context_update("system:test", acme, agent, kind="tool_schema",
+                                   content={"tools": {"calculator": new_schema}}, reason="t")
+    activate_context_update("system:test", snippet, "approved")
+    activate_context_update("system:test", schema, "approved")
+    deadline = time.monotonic() + 10
+    while True:  # the NOTIFY arrives in milliseconds; allow a slow CI machine
+        chat(clients["a1"], tools=TOOLS)
+        body = upstream_body(fake_upstream)
+        if (body["messages"][0].get("content") == SNIPPET
+                and body["tools"][0]["function"]["description"] == new_schema["description"]) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert body["messages"][0] == {"role": "system", "content": SNIPPET}
+    assert body["tools"][0]["function"] == {"name": "calculator", **new_schema}
+
+    for name in ("a2", "other"):  # another agent of the tenant, the same agent name elsewhere
+        chat(clients[name], tools=TOOLS)
+        body = upstream_body(fake_upstream)
+        assert body["messages"] == [{"role": "user", "content": "what is 2+3?"}], name
+        assert body["tools"] == TOOLS, name
+
+    rollback_context_update("system:test", snippet, "complaints")
+    raw = chat(clients["a1"], tools=TOOLS)  # the very next request
+    body = upstream_body(fake_upstream)
+    assert body["messages"] == [{"role": "user", "content": "what is 2+3?"}]
+    assert body["tools"][0]["function"] == {"name": "calculator", **new_schema}
+
+    # The step records which update (id, version, hash) shaped its request.
+    proxy.wait_for_record(raw.headers["x-steward-step"])
+    ship_and_build(tmp_path / "ship", proxy.records())
+    last = Step.objects.get(pk=raw.headers["x-steward-step"])
+    assert last.versions["context_update"] == {"id": schema.pk, "version": schema.version,
+                                               "hash": schema.content_hash}
+    with_both = [s for s in Step.objects.filter(trajectory__agent=agent)
+                 if len(s.versions.get("context_updates", [])) == 2]
+    assert with_both and {u["id"] for u in with_both[0].versions["context_updates"]} == {
+        snippet.pk, schema.pk}
+
+
+def test_rollback_is_in_force_on_the_very_next_request(world, start_proxy, fake_upstream,
+                                                       candidate_upstream):
+    from governance.routing import create_context_update, rollback_route, start_canary
+
+    acme, _, keys = world
+    agent = keys["a1"].record.agent
+    proxy = start(start_proxy, fake_upstream, keys)
+    client = client_for(proxy, keys["a1"].secret)
+    update = create_context_update("system:test", acme, agent, kind="system_prompt",
+                                   content={"snippet": SNIPPET}, reason="candidate prompt")
+    route = start_canary("system:test", acme, agent, candidate_ref="candidate:2", share=1.0,
+                         upstream_url=candidate_upstream.url, model="cand-model",
+                         context_update=update)
+    wait_for_model(client, candidate_upstream, "cand-model")
+    chat(client, "sticky-1")
+    body = upstream_body(candidate_upstream)
+    assert body["model"] == "cand-model" and body["messages"][0]["content"] == SNIPPET
+
+    n_candidate = len(candidate_upstream.requests)
+    t0 = time.monotonic()
+    rollback_route("system:test", route, "manual rollback")
+    chat(client, "sticky-1")  # the same session's very next request
+    elapsed = time.monotonic() - t0
+    assert len(candidate_upstream.requests) == n_candidate, "still routed to the candidate"
+    body = upstream_body(fake_upstream)
+    assert body["model"] == "demo-model"
+    assert body["messages"] == [{"role": "user", "content": "what is 2+3?"}]
+    print(f"rollback to control on the next request: {elapsed * 1000:.1f} ms round trip")
+
+
+def test_database_down_keeps_the_last_snapshot(world, start_proxy, fake_upstream,
+                                               candidate_upstream, tmp_path):
+    """A proxy restarted while PostgreSQL is unreachable routes from its snapshot file."""
+    from governance.routing import start_canary
+
+    acme, _, keys = world
+    agent = keys["a1"].record.agent
+    start_canary("system:test", acme, agent, candidate_ref="c", share=1.0, model="cand-model")
+    spool = tmp_path / "shared" / "spool"
+    proxy = start_proxy(fake_upstream.url, spool_dir=spool)
+    wait_for_key(proxy, keys["a1"].secret)
+    chat(client_for(proxy, keys["a1"].secret), "s-1")
+    assert upstream_body(fake_upstream)["model"] == "cand-model"
+    proxy.stop()
+    assert Path(spool.parent / "proxy-routes.json").exists()
+    down = start_proxy(fake_upstream.url, spool_dir=spool,
+                       DATABASE_URL="postgresql://nobody@127.0.0.1:1/none")
+    wait_for_key(down, keys["a1"].secret)  # keys from their snapshot too
+    chat(client_for(down, keys["a1"].secret), "s-1")
+    assert upstream_body(fake_upstream)["model"] == "cand-model"
+    chat(client_for(down, keys["a1"].secret), "s-new")
+    assert upstream_body(fake_upstream)["model"] == "cand-model"
