@@ -3,35 +3,45 @@ captured through the real proxy by the official openai client."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def capture_through_proxy(steward_proxy, proxy_key, messages: list[str], **headers: str
-                          ) -> list[str]:
-    """Each message as one call through the proxy; ship the spool and build the steps the way
-    the shipper and the Celery task do. Returns the trajectory ids."""
+def capture_through_proxy_once(steward_proxy, proxy_key, text: str, **headers: str) -> list[str]:
+    """One call through the proxy with the official openai client; returns its trajectory id."""
     import openai
 
+    client = openai.OpenAI(base_url=steward_proxy.base_url, api_key=proxy_key.secret,
+                           max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="demo", messages=[{"role": "user", "content": text}],
+        extra_headers=headers or None)
+    return [raw.headers["x-steward-trajectory"]]
+
+
+def ship_and_build(steward_proxy, count: int) -> None:
+    """Ship the spool and build the steps the way the shipper and the Celery task do."""
     from governance.tasks import build_steps
     from proxy.shipper import ship_once
     from tests.live import master_key
 
-    client = openai.OpenAI(base_url=steward_proxy.base_url, api_key=proxy_key.secret,
-                           max_retries=0)
-    ids = []
-    for text in messages:
-        raw = client.chat.completions.with_raw_response.create(
-            model="demo", messages=[{"role": "user", "content": text}],
-            extra_headers=headers or None)
-        ids.append(raw.headers["x-steward-trajectory"])
-    steward_proxy.wait_for_records(len(messages))
+    steward_proxy.wait_for_records(count)
     steward_proxy.stop()  # closes the segment so shipping takes it
     shipped: list[int] = []
     ship_once(steward_proxy.spool_dir, master_key=master_key(), enqueue=shipped.extend)
-    assert len(shipped) == len(messages)
+    assert len(shipped) == count
     build_steps(shipped)
+
+
+def capture_through_proxy(steward_proxy, proxy_key, messages: list[str], **headers: str
+                          ) -> list[str]:
+    """Each message as one call through the proxy, then shipped and built. Trajectory ids."""
+    ids = [tid for text in messages
+           for tid in capture_through_proxy_once(steward_proxy, proxy_key, text, **headers)]
+    ship_and_build(steward_proxy, len(messages))
     return ids
 
 
@@ -58,3 +68,186 @@ def test_login_and_read_a_trajectory_captured_through_the_proxy(
     assert "jane.doe@example.com" not in body  # the steward reads the sanitized step only
     cp.shot("trajectory")
     cp.assert_clean()
+
+
+# --- the whole journey, with a real Celery worker ---------------------------------------------
+
+SUBJECT = "jane.roe@example.com"
+SUMS = [(2, 3), (4, 1), (3, 3), (1, 6), (5, 2), (2, 2)]
+
+
+@pytest.fixture
+def celery_worker(redis_broker, tmp_path, live_server):
+    """A real Celery worker (queues capture + gpu) on Redis, against the test database under the
+    app role, as in production. Yields its log path."""
+    import base64
+    import os
+    import subprocess
+    import sys
+
+    from django.db import connection
+
+    from tests.live import REPO, master_key
+
+    s = connection.settings_dict
+    env = dict(os.environ)
+    env.update({
+        "DATABASE_URL": f"postgresql://{s['USER']}@{s['HOST'] or '127.0.0.1'}:"
+                        f"{s['PORT'] or 5432}/{s['NAME']}",
+        "STEWARD_DB_SCOPE_ROLE": "steward_app",
+        "STEWARD_MASTER_KEY": base64.b64encode(master_key()).decode(),
+        "STEWARD_VAR_DIR": str(tmp_path / "var"), "STEWARD_SPOOL_DIR": str(tmp_path / "spool"),
+        "STEWARD_ERASURE_SPOOL_WAIT_S": "1", "CELERY_BROKER_URL": redis_broker,
+        "PYTHONUNBUFFERED": "1",
+    })
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "capture,gpu", "-c",
+         "1", "--pool", "solo", "--without-heartbeat", "--without-gossip", "--without-mingle",
+         "-l", "info", "-n", f"browser-test-{os.getpid()}@%h"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))  # noqa: SIM115
+    yield log
+    worker.terminate()
+    try:
+        worker.wait(20)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+
+
+@pytest.fixture
+def redis_broker():
+    from config.celery import app
+
+    with app.connection_for_write() as conn:
+        for queue in ("capture", "gpu"):
+            try:
+                conn.default_channel.queue_purge(queue)
+            except Exception:  # noqa: BLE001 - the queue may not exist yet
+                pass
+    return app.conf.broker_url
+
+
+def test_the_journey_capture_approve_train_erase(console, steward_proxy, proxy_key, make_member,
+                                                 settings, tmp_path, celery_worker):
+    """Calls captured through the proxy -> the steward defines, freezes and submits a dataset
+    and cannot decide it -> an officer approves -> the steward launches a GRPO job that a real
+    worker runs while the progress bar moves -> the officer erases a data subject; the request
+    completes, its certificate is readable, the checkpoint trained on that subject is tainted.
+    Screenshots of every main page; no browser console error anywhere."""
+    from governance import services as gov
+    from governance.models import DatasetVersion, ErasureRequest
+    from trainer.models import Checkpoint, TrainingJob
+
+    settings.VAR_DIR = tmp_path / "var"  # the web process resolves models/outputs like the worker
+    tenant = proxy_key.tenant
+    steward = make_member("steward", "sam-steward")
+    officer = make_member("compliance", "olivia-officer")
+    admin = make_member("admin", "ada-admin")
+    ids = []
+    for i, (a, b) in enumerate(SUMS):
+        headers = {"X-Steward-Session": f"sum-{i}"}
+        if i == 0:
+            headers["X-Steward-Subject"] = SUBJECT
+        ids += capture_through_proxy_once(steward_proxy, proxy_key, f"What is {a}+{b}?",
+                                          **headers)
+    ship_and_build(steward_proxy, len(SUMS))
+    for tid, (a, b) in zip(ids, SUMS, strict=True):  # late-bound ground truth, as over REST
+        gov.record_reward("system:test", tenant, value=1.0, trajectory_id=tid,
+                          name="reference", comment=str(a + b))
+
+    # The steward: define, freeze, submit; the decision is not theirs.
+    sam = console(steward)
+    page = sam.page
+    sam.go("/trajectories/")
+    assert page.locator("a[href^='/trajectories/']").count() >= len(SUMS)
+    sam.shot("journey-trajectories")
+    sam.go("/datasets/")
+    page.get_by_label("Name", exact=True).fill("sums")
+    page.get_by_role("button", name="Define dataset").click()
+    page.wait_for_url("**/datasets/*/")
+    page.get_by_role("button", name="Freeze a new version").click()
+    page.wait_for_url("**/datasets/versions/*/")
+    page.get_by_role("button", name="Request approval").click()
+    page.wait_for_url("**/datasets/versions/*/")
+    version = DatasetVersion.objects.get(dataset__name="sums")
+    assert version.size == len(SUMS)
+    sam.go(f"/approvals/{version.pk}/")
+    assert page.get_by_role("button", name="Approve").count() == 0
+    assert "Read-only for your role" in page.locator("#decision").inner_text()
+    assert "olivia-officer" in page.locator("#decision").inner_text()
+    sam.shot("journey-approval-steward")
+
+    # The officer approves with a reason.
+    olivia = console(officer)
+    olivia.go("/approvals/")
+    olivia.shot("approvals")
+    olivia.page.locator(f"a[href='/approvals/{version.pk}/']").first.click()
+    olivia.page.wait_for_url(f"**/approvals/{version.pk}/")
+    olivia.page.get_by_label("Reason").fill("sample read: sums only, no identifiers")
+    olivia.shot("approval-review")
+    olivia.page.get_by_role("button", name="Approve").click()
+    olivia.page.wait_for_url(f"**/approvals/{version.pk}/")
+    version.refresh_from_db()
+    assert version.status == DatasetVersion.Status.APPROVED
+
+    # The steward launches a job; the worker trains; the progress bar moves to the end.
+    sam.go("/training/")
+    page.get_by_label("Approved dataset version").select_option(str(version.pk))
+    page.get_by_label("Total steps").fill("12")
+    page.get_by_label("Save every (steps)").fill("6")
+    page.get_by_role("button", name="Launch job").click()
+    page.wait_for_url("**/training/*/")
+    job = TrainingJob.objects.get(dataset_version=version)
+    bar = page.locator(f"#progress-{job.pk}")
+    seen = {int(bar.get_attribute("value") or 0)}
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(1000)
+        seen.add(int(float(bar.get_attribute("value") or 0)))
+        job.refresh_from_db()
+        if job.status in TrainingJob.TERMINAL:
+            break
+    page.wait_for_timeout(2500)  # one more poll renders the final state
+    assert job.status == TrainingJob.Status.COMPLETED, (job.status, job.error,
+                                                        celery_worker.read_text()[-3000:])
+    assert int(float(bar.get_attribute("value"))) == 12
+    assert len(seen) >= 2 and min(seen) < 12, seen  # it moved while we watched
+    sam.shot("training-job")
+    checkpoint = Checkpoint.objects.get(job=job, step=12)
+
+    # The officer erases the subject; the worker completes it; the checkpoint is tainted.
+    olivia.go("/erasure/")
+    olivia.page.get_by_label("Data subject").fill(SUBJECT)
+    olivia.page.locator("#erasure-confirm").check()
+    olivia.page.get_by_role("button", name="File erasure request").click()
+    olivia.page.wait_for_url("**/erasure/**")
+    request = ErasureRequest.objects.latest("id")
+    olivia.page.locator(f"a[href='/erasure/{request.pk}/']").first.click()
+    olivia.page.locator(".certificate").wait_for(timeout=120_000)  # htmx polls until done
+    text = olivia.page.locator("main").inner_text()
+    assert SUBJECT not in olivia.page.content()
+    olivia.shot("erasure-certificate")
+    checkpoint.refresh_from_db()
+    assert checkpoint.status == Checkpoint.Status.TAINTED, text
+    version.refresh_from_db()
+    assert version.status == DatasetVersion.Status.INVALIDATED
+    olivia.go("/erasure/")
+    olivia.shot("erasure")
+    olivia.go("/audit/")
+    olivia.shot("audit")
+
+    sam.go(f"/checkpoints/{checkpoint.pk}/")
+    assert "Tainted" in page.locator("main").inner_text()
+    sam.shot("checkpoint-tainted")
+    sam.go("/checkpoints/")
+    sam.shot("checkpoints")
+    sam.go("/")
+    sam.shot("overview-journey")
+
+    ada = console(admin)
+    for path, name in (("/keys/", "keys"), ("/settings/", "settings"), ("/datasets/", "datasets"),
+                       ("/training/", "training")):
+        ada.go(path)
+        ada.shot(name)
+    for cp in (sam, olivia, ada):
+        cp.assert_clean()
