@@ -222,6 +222,10 @@ class Interaction(models.Model):
 
     objects = TenantManager()
 
+    class Meta:
+        # The console's overview buckets the last 24 hours of calls per agent.
+        indexes = [models.Index(fields=["tenant", "started_at"], name="ia_tenant_started")]
+
 
 class Step(models.Model):
     """One ATDP v1 step (one LLM call). Content fields hold the OpenAI message objects; served
@@ -261,6 +265,8 @@ class Step(models.Model):
     class Meta:
         indexes = [
             models.Index(fields=["trajectory", "started_at"], name="step_traj_started"),
+            # The overview's capture lag over the last 24 hours.
+            models.Index(fields=["tenant", "started_at"], name="step_tenant_started"),
         ]
 
 
