@@ -34,6 +34,8 @@ PERMISSIONS: dict[str, str] = {
     "erase": "file GDPR Art. 17 erasure requests and read their certificates",
     "read_training": "see training jobs, their curves and checkpoints with lineage",
     "launch_training": "start, cancel and resume training jobs on approved versions",
+    "manage_evolution": "start candidates, promote and roll back policies",
+    "rollback_policy": "roll back a promoted or canary policy",
     "manage_keys": "create and revoke proxy keys and API tokens",
     "manage_members": "add members and change their roles",
     "read_retention": "read retention policies",
@@ -50,11 +52,12 @@ ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     Role.STEWARD: frozenset({
         "read_trajectories", "record_rewards", "read_datasets", "manage_datasets",
         "request_approval", "read_training", "launch_training", "read_retention",
+        "manage_evolution", "rollback_policy",
     }),
     Role.COMPLIANCE: frozenset({
         "read_trajectories", "read_raw_payloads", "read_datasets", "approve", "erase",
         "read_training", "read_retention", "manage_retention", "manage_sanitizer",
-        "read_audit", "verify_audit",
+        "read_audit", "verify_audit", "rollback_policy",
     }),
     Role.AUDITOR: frozenset({
         "read_trajectories", "read_datasets", "read_training", "read_retention", "read_audit",

@@ -193,6 +193,26 @@ def world(tenant, other_tenant, make_member):
         erasure = ErasureRequest.objects.create(tenant=t, subject_hash=f"e-{t.slug}")
         SuppressedSubject.objects.create(tenant=t, subject_hash=f"e-{t.slug}",
                                          erasure_request=erasure)
+        from governance.models import ContextUpdate, PolicyRoute
+
+        update = ContextUpdate.objects.create(tenant=t, agent=key.agent, kind="system_prompt",
+                                              content={"snippet": "x"}, version=1,
+                                              content_hash="0" * 64)
+        PolicyRoute.objects.create(tenant=t, agent=key.agent, share=0.1, context_update=update)
+        from trainer.models import (
+            Candidate,
+            EvolutionPolicy,
+            FailureCluster,
+            GateResult,
+            Proposal,
+        )
+
+        EvolutionPolicy.objects.create(tenant=t)
+        cand = Candidate.objects.create(tenant=t, agent=key.agent, kind="memory",
+                                        context_update=update)
+        GateResult.objects.create(tenant=t, candidate=cand, gate="shadow_eval", passed=True)
+        cluster = FailureCluster.objects.create(tenant=t, key="k", signature="tool_error")
+        Proposal.objects.create(tenant=t, cluster=cluster, kind="skill", rationale="r")
         out[t.pk] = {"trajectory": traj, "agent": key.agent, "admin": admin}
     AuditEvent.objects.create(seq=10_000, tenant=None, actor="system:test", action="x",
                               created_at=traj.started_at, prev_hash="0", hash="0")

@@ -31,6 +31,8 @@ def test_table_covers_every_role_and_separates_duties():
     assert holders["manage_keys"] == holders["manage_members"] == {"admin"}
     assert holders["erase"] == {"admin", "compliance"}
     assert holders["launch_training"] == {"admin", "steward"}
+    assert holders["manage_evolution"] == {"admin", "steward"}
+    assert holders["rollback_policy"] == {"admin", "steward", "compliance"}
     # Whoever may request approval may not approve, and the auditor only reads.
     assert not holders["request_approval"] & holders["approve"]
     assert {p for p in PERMISSIONS if role_has("auditor", p)} == {

@@ -140,3 +140,206 @@ class Checkpoint(models.Model):
 
     def __str__(self) -> str:
         return f"checkpoint {self.pk} (job {self.job_id}, step {self.step}, {self.status})"
+
+
+# --- the evolution control plane (issue 7; trainer/evolution.py, trainer/evolution_services.py)
+
+
+class EvolutionPolicy(models.Model):
+    """A tenant's gate thresholds. Absent (or a field left empty): trainer.evolution.Thresholds'
+    default. One row per tenant, changed through evolution_services.set_evolution_policy."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE,
+                                  related_name="evolution_policy")
+    shadow_margin = models.FloatField(null=True, blank=True)
+    replay_tolerance = models.FloatField(null=True, blank=True)
+    refusal_max_drop = models.FloatField(null=True, blank=True)
+    over_refusal_max_increase = models.FloatField(null=True, blank=True)
+    degenerate_max_increase = models.FloatField(null=True, blank=True)
+    canary_share = models.FloatField(null=True, blank=True)
+    min_sessions_per_arm = models.PositiveIntegerField(null=True, blank=True)
+    max_error_rate_increase = models.FloatField(null=True, blank=True)
+    low_reward_threshold = models.FloatField(null=True, blank=True)
+    min_cluster_size = models.PositiveIntegerField(null=True, blank=True)
+    reward_name = models.CharField(max_length=64, blank=True, default="")
+    # The held-out eval split (an approved version) the shadow eval uses when a candidate names
+    # none; and the production policy a candidate served by an upstream is compared with.
+    eval_version = models.ForeignKey(DatasetVersion, null=True, blank=True,
+                                     on_delete=models.SET_NULL, related_name="+")
+    baseline_upstream_url = models.CharField(max_length=500, blank=True, default="")
+    baseline_model = models.CharField(max_length=256, blank=True, default="")
+    updated_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = TenantManager()
+
+    THRESHOLD_FIELDS = ("shadow_margin", "replay_tolerance", "refusal_max_drop",
+                        "over_refusal_max_increase", "degenerate_max_increase", "canary_share",
+                        "min_sessions_per_arm", "max_error_rate_increase",
+                        "low_reward_threshold", "min_cluster_size", "reward_name")
+
+
+class Candidate(models.Model):
+    """A proposed change to an agent's policy on its way through the five gates: new weights
+    (a checkpoint, and/or a model served at `upstream_url`) or a context update (memory, skill,
+    harness: a system-prompt snippet; tool_schema: tool definitions)."""
+
+    class Kind(models.TextChoices):
+        WEIGHTS = "weights", "Weight update"
+        MEMORY = "memory", "Memory insertion"
+        SKILL = "skill", "Skill patch"
+        HARNESS = "harness", "Harness edit"
+        TOOL_SCHEMA = "tool_schema", "Tool-schema change"
+
+    class Stage(models.TextChoices):
+        SHADOW_EVAL = "shadow_eval", "Shadow eval"
+        REPLAY = "replay", "Replay check"
+        SAFETY = "safety", "Regression & safety"
+        CANARY = "canary", "Canary"
+        PROMOTE = "promote", "Promote"
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"          # queued for the offline gates
+        RUNNING = "running", "Running"          # offline gates running, or canary live
+        PASSED = "passed", "Passed"             # offline gates passed, canary not started yet
+        FAILED = "failed", "Failed"             # stopped by a gate (reason says which, why)
+        PROMOTED = "promoted", "Promoted"
+        ROLLED_BACK = "rolled_back", "Rolled back"
+
+    CONTEXT_KINDS = (Kind.MEMORY, Kind.SKILL, Kind.HARNESS, Kind.TOOL_SCHEMA)
+    LIVE = (Status.PENDING, Status.RUNNING, Status.PASSED)
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="candidates")
+    agent = models.ForeignKey("governance.Agent", on_delete=models.PROTECT,
+                              related_name="candidates")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    checkpoint = models.ForeignKey(Checkpoint, null=True, blank=True, on_delete=models.PROTECT,
+                                   related_name="candidates")
+    context_update = models.ForeignKey("governance.ContextUpdate", null=True, blank=True,
+                                       on_delete=models.PROTECT, related_name="candidates")
+    route = models.ForeignKey("governance.PolicyRoute", null=True, blank=True,
+                              on_delete=models.SET_NULL, related_name="candidates")
+    # Where the candidate is served for evaluation and the canary (optional for a checkpoint:
+    # without it the gates run the checkpoint on the HF backend).
+    upstream_url = models.CharField(max_length=500, blank=True, default="")
+    model = models.CharField(max_length=256, blank=True, default="")
+    eval_version = models.ForeignKey(DatasetVersion, null=True, blank=True,
+                                     on_delete=models.SET_NULL, related_name="+")
+    stage = models.CharField(max_length=16, choices=Stage.choices, default=Stage.SHADOW_EVAL)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING,
+                              db_index=True)
+    reason = models.TextField(blank=True, default="")
+    # trainer.evolution.Thresholds as used (snapshotted when the gates start).
+    thresholds = models.JSONField(default=dict, blank=True)
+    # What the gates compared with, and what a promote/rollback changed on the serving engine.
+    baseline = models.JSONField(default=dict, blank=True)
+    serving = models.JSONField(default=dict, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    task_id = models.CharField(max_length=64, blank=True, default="")
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "-created_at"], name="candidate_tenant_created")]
+
+    def __str__(self) -> str:
+        return f"candidate {self.pk} ({self.kind}, {self.stage}/{self.status})"
+
+    @property
+    def is_context(self) -> bool:
+        return self.kind in self.CONTEXT_KINDS
+
+
+class GateResult(models.Model):
+    """One gate's stored verdict for a candidate. Append-only (a trigger refuses UPDATE): a
+    re-run adds a row; the latest per gate counts."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    candidate = models.ForeignKey(Candidate, on_delete=models.CASCADE,
+                                  related_name="gate_results")
+    gate = models.CharField(max_length=16, choices=Candidate.Stage.choices)
+    passed = models.BooleanField()
+    metrics = models.JSONField(default=dict, blank=True)
+    thresholds = models.JSONField(default=dict, blank=True)
+    reason = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        indexes = [models.Index(fields=["candidate", "gate", "-created_at"],
+                                name="gateresult_candidate_gate")]
+
+
+class UpdateKind(models.TextChoices):
+    """The five governed updates of the ATDP paper, and no-op."""
+
+    MEMORY = "memory", "Memory insertion"
+    SKILL = "skill", "Skill patch"
+    HARNESS = "harness", "Harness edit"
+    TOOL_SCHEMA = "tool_schema", "Tool-schema change"
+    WEIGHTS = "weights", "Weight update"
+    NO_OP = "no_op", "No-op"
+
+
+class FailureCluster(models.Model):
+    """Low-reward trajectories of one tenant grouped by (agent, tool, error signature);
+    agent null with `agents` listing several: a cross-agent cluster."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=64)  # sha256 of agent|tool|signature
+    agent = models.ForeignKey("governance.Agent", null=True, blank=True,
+                              on_delete=models.CASCADE, related_name="+")
+    agents = models.JSONField(default=list, blank=True)  # agent names
+    tool = models.CharField(max_length=200, blank=True, default="")
+    signature = models.CharField(max_length=32)
+    size = models.PositiveIntegerField(default=0)
+    mean_reward = models.FloatField(default=0.0)
+    sample = models.JSONField(default=list, blank=True)  # member trajectory ids (<= 10)
+    first_seen = models.DateTimeField(auto_now_add=True)
+    last_seen = models.DateTimeField(auto_now=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "key"],
+                                               name="failurecluster_tenant_key")]
+
+
+class Proposal(models.Model):
+    """The governed update proposed for a failure cluster (trainer.evolution.propose_kind),
+    with its evidence. Accepting one creates a Candidate (through the gates like any other)."""
+
+    class Status(models.TextChoices):
+        OPEN = "open", "Open"
+        ACCEPTED = "accepted", "Accepted"
+        DISMISSED = "dismissed", "Dismissed"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    cluster = models.ForeignKey(FailureCluster, on_delete=models.CASCADE,
+                                related_name="proposals")
+    kind = models.CharField(max_length=16, choices=UpdateKind.choices)
+    rationale = models.TextField()
+    evidence = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN,
+                              db_index=True)
+    candidate = models.ForeignKey(Candidate, null=True, blank=True, on_delete=models.SET_NULL,
+                                  related_name="proposals")
+    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    decided_at = models.DateTimeField(null=True, blank=True)
+    decision_reason = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["cluster"], condition=models.Q(
+            status="open"), name="proposal_one_open_per_cluster")]
