@@ -50,7 +50,32 @@ def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-class KeyTable:
+class PolledConnection:
+    """The one autocommit psycopg connection a background poller (key table, routing table)
+    keeps open between polls; reconnects lazily after drop_connection() (an outage)."""
+
+    database_url: str
+    application_name = "steward-proxy"
+    _conn = None
+
+    def _connect(self):
+        import psycopg
+
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.database_url, autocommit=True, connect_timeout=5,
+                                         application_name=self.application_name)
+        return self._conn
+
+    def drop_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # already broken
+                pass
+        self._conn = None
+
+
+class KeyTable(PolledConnection):
     def __init__(self, database_url: str, snapshot_path: Path | None = None,
                  refresh_seconds: float = 1.0) -> None:
         self.database_url = database_url
@@ -104,22 +129,6 @@ class KeyTable:
                               "keys (%s): %s", len(self.table), self.loaded_from, e)
                 self._outage = True
             self._stop.wait(self.refresh_seconds)
-
-    def _connect(self):
-        import psycopg
-
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.database_url, autocommit=True, connect_timeout=5,
-                                         application_name="steward-proxy")
-        return self._conn
-
-    def drop_connection(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:  # already broken
-                pass
-        self._conn = None
 
     def refresh(self) -> bool:
         """Reload when the probe changed. Returns True when the table was reloaded."""

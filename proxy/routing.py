@@ -60,6 +60,8 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from proxy.keys import PolledConnection
+
 log = logging.getLogger("steward.routing")
 
 CHANNEL = "steward_routing"
@@ -265,7 +267,9 @@ def upstream_parts(url: str) -> tuple[str, str, int, str] | None:
 # --- the table ----------------------------------------------------------------------------
 
 
-class RoutingTable:
+class RoutingTable(PolledConnection):
+    application_name = "steward-proxy-routing"
+
     def __init__(self, database_url: str, snapshot_path: Path | None = None,
                  journal_path: Path | None = None, refresh_seconds: float = 5.0,
                  sticky_max: int = 200_000) -> None:
@@ -514,22 +518,6 @@ class RoutingTable:
                 self.snapshot = Snapshot(list(snap.routes.values()),
                                          [u for u in snap.updates.values()
                                           if u.update_id != row_id])
-
-    def _connect(self):
-        import psycopg
-
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.database_url, autocommit=True, connect_timeout=5,
-                                         application_name="steward-proxy-routing")
-        return self._conn
-
-    def drop_connection(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:  # already broken
-                pass
-        self._conn = None
 
     def refresh(self) -> None:
         """Load routes and updates and swap the snapshot (tiny tables: live rows only)."""

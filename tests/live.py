@@ -180,6 +180,31 @@ def wait_for_rejection(proxy: ProxyProcess, secret: str, timeout: float = 20.0) 
     raise AssertionError("proxy still accepts the key")
 
 
+def serve_app(app: Any) -> tuple[str, Any]:
+    """Serve an aiohttp web.Application on a free port in a background event loop; returns
+    (base url, stop function). For fake upstreams (SGLang, OpenAI-compatible) in tests."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
 @pytest.fixture
 def fake_upstream() -> Iterator[Any]:
     """The demo upstream on a free port: `.url` (server root), `.requests` (recorded requests,
@@ -267,5 +292,6 @@ def proxy_key(transactional_db, steward_proxy) -> LiveKey:
 
 
 __all__ = ["LiveKey", "ProxyProcess", "database_url_from_django", "free_port", "master_key",
+           "serve_app",
            "read_spool", "wait_for_key", "wait_for_port", "wait_for_rejection",
            "UPSTREAM_API_KEY"]

@@ -7,11 +7,8 @@ proposal rule table."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -22,6 +19,7 @@ from governance import services as gov
 from governance.models import AuditEvent, ContextUpdate, PolicyRoute, Step, Trajectory
 from governance.services import ServiceConflict, ServiceError, ServiceForbidden
 from tests.govdata import make_trajectory
+from tests.live import serve_app
 from trainer import evolution as ev
 from trainer import evolution_services as svc
 from trainer.evolution_tasks import advance_candidates, run_gates
@@ -211,24 +209,6 @@ def test_rule_table_and_grouping():
 # --- fake upstreams ------------------------------------------------------------------------
 
 
-def _serve(app: web.Application) -> tuple[str, callable]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.SockSite(runner, sock).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
-
-
 class FakeModels:
     """An OpenAI-compatible fake whose answers depend on the model name: models starting
     "safe" refuse the harmful requests of the bundled safety set, "unsafe" ones comply; every
@@ -275,7 +255,7 @@ def fake_models() -> Iterator[tuple[FakeModels, str]]:
     fake = FakeModels()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.chat)
-    url, stop = _serve(app)
+    url, stop = serve_app(app)
     yield fake, url
     stop()
 
@@ -289,7 +269,7 @@ def fake_sglang_server() -> Iterator[tuple[object, str]]:
     app.router.add_post("/pause_generation", fake.pause)
     app.router.add_post("/continue_generation", fake.cont)
     app.router.add_post("/update_weights_from_disk", fake.update)
-    url, stop = _serve(app)
+    url, stop = serve_app(app)
     yield fake, url
     stop()
 

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 import socket
-import threading
 import uuid
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from tests.live import serve_app
 from trainer.grpo import token_logprobs
 from trainer.rollout import HFRollout, Rollout, RolloutBackend, RolloutError, SGLangRollout
 
@@ -180,22 +179,13 @@ def fake_sglang(tiny):
         app.router.add_post("/pause_generation", fake.pause)
         app.router.add_post("/continue_generation", fake.cont)
         app.router.add_post("/update_weights_from_disk", fake.update)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        loop = asyncio.new_event_loop()
-        runner = web.AppRunner(app)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, sock).start())
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
-        servers.append((loop, runner, thread))
-        return fake, f"http://127.0.0.1:{sock.getsockname()[1]}"
+        url, stop = serve_app(app)
+        servers.append(stop)
+        return fake, url
 
     yield start
-    for loop, runner, thread in servers:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+    for stop in servers:
+        stop()
 
 
 def test_sglang_generate_parses_the_native_answer(fake_sglang):
