@@ -27,10 +27,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--no-first-run", "--disable-default-apps"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def chromium() -> Iterator[Any]:
-    """One Chromium for the session. A missing browser is an error, not a skip: `make test`
-    installs it (Makefile target `browser`)."""
+    """A Chromium per test. A missing browser is an error, not a skip: `make test` installs it
+    (Makefile target `browser`). Per test, not per session: Playwright's sync API leaves its
+    event loop set as the thread's running loop while it is open, which breaks every later
+    test that runs asyncio in the main thread."""
     if not (shutil.which(CHROMIUM) or Path(CHROMIUM).exists()):
         raise RuntimeError(f"Chromium not found at {CHROMIUM}: run `make browser` "
                            "(apt-get install chromium) or set STEWARD_CHROMIUM")

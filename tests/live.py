@@ -192,10 +192,24 @@ def serve_app(app: Any) -> tuple[str, Any]:
     sock.bind(("127.0.0.1", 0))
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.SockSite(runner, sock).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    ready = threading.Event()
+
+    async def start() -> None:
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+
+    def run() -> None:
+        # Everything on the server's own thread: the main thread may have a running loop
+        # already (Playwright's sync API), where run_until_complete would refuse to run.
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    if not ready.wait(10):
+        raise RuntimeError("the test HTTP server did not start")
 
     def stop() -> None:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)

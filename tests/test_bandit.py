@@ -49,6 +49,19 @@ REVIEWED_MEDIUM: dict[tuple[str, str], tuple[int, str]] = {
     ("trainer/tasks.py", "B615"): (
         2, "from_pretrained(local_path, local_files_only=True): loads a local checkpoint, "
         "never downloads from a hub"),
+    ("trainer/evolution.py", "B615"): (
+        2, "from_pretrained(checkpoint_path, local_files_only=True): a gate loads a local "
+        "checkpoint, never downloads from a hub"),
+    ("governance/datasets.py", "B608"): (
+        2, "LATEST_REWARDS_SQL is a module constant; the f-string adds only constant bound "
+        "clauses ('l.value >= %s'); tenant, name, bounds and ids are bound parameters"),
+    ("governance/datasets.py", "B611"): (
+        1, "RawSQL of the constant LATEST_REWARDS_SQL with bound parameters"),
+    ("governance/views/trajectories.py", "B703"): (
+        1, "mark_safe over parts that are each escape()d or format_html()ed: placeholder chips "
+        "in sanitized text (tests/test_console_trajectories.py checks <script> is escaped)"),
+    ("governance/views/trajectories.py", "B308"): (
+        1, "the same mark_safe as B703: every part escaped first"),
     ("trainer/tiny.py", "B615"): (
         2, "from_pretrained(local_path, local_files_only=True): loads a local checkpoint, "
         "never downloads from a hub"),

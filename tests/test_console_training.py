@@ -492,6 +492,10 @@ def test_browser_draws_the_curves_and_redraws_them_live(console, people, world):
     TrainingJob.objects.filter(pk=job.pk).update(status="completed", step=5)
     page.wait_for_function("() => !document.querySelector('#job-live[hx-trigger]')",
                            timeout=10_000)
+    # The charts of the final fragment are drawn when htmx settles it, just after the swap.
+    page.wait_for_function("() => { const c = Chart.getChart(document.querySelector("
+                           "'canvas[data-chart=chart-tokens]')); return c && "
+                           "c.data.labels.length === 4 }", timeout=10_000)
     assert labels("chart-tokens") == 4
     cp.go("/training/")
     cp.shot("training")

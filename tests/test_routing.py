@@ -146,6 +146,11 @@ def test_a_notification_that_arrived_is_applied_before_the_next_plan(db):
             {"t": "governance_policyroute", "id": 7, "status": "rolled_back"}).decode()])
         other.execute("SELECT pg_notify('steward_routing', %s)", [orjson.dumps(
             {"t": "governance_contextupdate", "id": 3, "status": "rolled_back"}).decode()])
+    # The notifications are on the listener's socket (delivery takes a moment on a loaded
+    # machine); nothing has read them: the plan itself must.
+    import select
+
+    assert select.select([listener.fileno()], [], [], 10)[0]
     plan = table.plan(1, 2, session, "session")
     assert plan.route_id is None and plan.updates == ()
     listener.close()

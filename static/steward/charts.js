@@ -47,5 +47,15 @@
   }
 
   document.addEventListener("DOMContentLoaded", function () { drawAll(document); });
-  document.addEventListener("htmx:afterSettle", function (e) { drawAll(e.target); });
+  // After a swap: every canvas that has no chart yet (new content — with an outerHTML swap the
+  // event's target is the element that was replaced, no longer in the page), and those inside
+  // a target that is still in the page (innerHTML swaps keep the canvas element).
+  document.addEventListener("htmx:afterSettle", function (e) {
+    if (typeof Chart === "undefined") return;
+    document.querySelectorAll("canvas[data-chart]").forEach(function (canvas) {
+      if (!Chart.getChart(canvas) || (e.target.isConnected && e.target.contains(canvas))) {
+        draw(canvas);
+      }
+    });
+  });
 })();
