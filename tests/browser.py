@@ -48,6 +48,15 @@ def chromium() -> Iterator[Any]:
         browser.close()
 
 
+# Visible inputs, selects and textareas with neither a <label> nor aria-label(ledby).
+UNLABELLED_JS = """() => Array.from(document.querySelectorAll('input, select, textarea'))
+  .filter(el => !['hidden', 'submit', 'button'].includes(el.type))
+  .filter(el => el.getClientRects().length > 0)
+  .filter(el => !((el.labels && el.labels.length) || el.getAttribute('aria-label')
+                  || el.getAttribute('aria-labelledby')))
+  .map(el => el.outerHTML.slice(0, 120))"""
+
+
 @dataclass
 class ConsolePage:
     page: Any
@@ -62,6 +71,11 @@ class ConsolePage:
         return response
 
     def shot(self, name: str) -> Path:
+        """Screenshot the page, and record any visible form control without a label (every
+        main page is shot, so every main page's forms are checked)."""
+        unlabelled = self.page.evaluate(UNLABELLED_JS)
+        if unlabelled:
+            self.problems.append(f"unlabelled form controls on {name}: {unlabelled}")
         out = ARTIFACTS / "screenshots" / f"{name}.png"
         out.parent.mkdir(parents=True, exist_ok=True)
         self.page.screenshot(path=str(out), full_page=True)
@@ -90,9 +104,12 @@ def console(chromium, live_server) -> Iterator[Any]:
         page.on("response", lambda resp: resp.status >= 500 and cp.problems.append(
             f"HTTP {resp.status}: {resp.url}"))
         cp.go("/login/")
-        page.get_by_label("Username").fill(user.username)
-        page.get_by_label("Password").fill(password)
-        page.get_by_role("button", name="Log in").click()
+        # By keyboard only: the login form must be usable without a pointer.
+        page.get_by_label("Username").focus()
+        page.keyboard.type(user.username)
+        page.keyboard.press("Tab")
+        page.keyboard.type(password)
+        page.keyboard.press("Enter")
         page.wait_for_url(live_server.url + "/")
         return cp
 
