@@ -149,6 +149,18 @@ def create_api_token(actor: Any, tenant: Tenant, user: Any) -> IssuedSecret:
     return IssuedSecret(secret, token)
 
 
+@tenant_atomic("token.tenant_id")
+def revoke_api_token(actor: Any, token: ApiToken) -> ApiToken:
+    """Revoke a REST token (idempotent): the next request with it answers 401."""
+    token = ApiToken.objects.select_for_update().get(pk=token.pk)
+    if token.revoked_at is None:
+        token.revoked_at = timezone.now()
+        token.save(update_fields=["revoked_at"])
+        record_event(actor, "api_token.revoked", tenant=token.tenant_id, object_type="api_token",
+                     object_id=token.pk, payload={"user": token.user_id, "prefix": token.prefix})
+    return token
+
+
 @tenant_atomic("tenant")
 def record_reward(actor: Any, tenant: Tenant, *, value: float, response_id: str = "",
                   trajectory_id: Any = None, name: str = "reward", final: bool = True,

@@ -47,6 +47,7 @@ urlpatterns = [
     path("keys/", keys.key_list, name="keys"),
     path("keys/<int:key_id>/revoke/", keys.key_revoke, name="key-revoke"),
     path("keys/api-tokens/", keys.token_create, name="api-token-create"),
+    path("keys/api-tokens/<int:token_id>/revoke/", keys.token_revoke, name="api-token-revoke"),
     path("settings/", tenant_settings.settings_page, name="settings"),
     path("settings/retention/", tenant_settings.retention_set, name="settings-retention"),
     path("settings/retention/<int:policy_id>/delete/", tenant_settings.retention_delete,

@@ -128,6 +128,35 @@ def test_api_token_for_a_member_is_shown_once(client, make_member, tenant, other
     assert not ApiToken.objects.filter(user=outsider).exists()
 
 
+def test_api_token_revoke_is_audited_and_the_token_stops_working(client, make_member, tenant,
+                                                                 other_tenant, api_client_for):
+    from governance.services import create_api_token
+
+    admin = _login(client, make_member)
+    auditor = make_member("auditor")
+    issued = create_api_token("system:test", tenant, auditor)
+    rest = api_client_for(auditor, tenant)
+    rest.credentials(HTTP_AUTHORIZATION=f"Bearer {issued.secret}")
+    assert rest.get("/api/v1/trajectories/").status_code == 200
+    listing = client.get("/keys/").content.decode()
+    assert f"/keys/api-tokens/{issued.record.pk}/revoke/" in listing
+    response = client.post(f"/keys/api-tokens/{issued.record.pk}/revoke/", follow=True)
+    assert "is revoked" in response.content.decode()
+    assert rest.get("/api/v1/trajectories/").status_code == 401
+    assert AuditEvent.objects.filter(action="api_token.revoked",
+                                     object_id=str(issued.record.pk),
+                                     actor=f"user:{admin.pk}").count() == 1
+    # Again: nothing more is written.
+    client.post(f"/keys/api-tokens/{issued.record.pk}/revoke/")
+    assert AuditEvent.objects.filter(action="api_token.revoked").count() == 1
+    # Another tenant's token is not found; a steward may not revoke.
+    theirs = create_api_token("system:test", other_tenant,
+                              make_member("admin", "outsider", on=other_tenant))
+    assert client.post(f"/keys/api-tokens/{theirs.record.pk}/revoke/").status_code == 404
+    client.force_login(make_member("steward"))
+    assert client.post(f"/keys/api-tokens/{theirs.record.pk}/revoke/").status_code == 403
+
+
 def test_keys_filter_by_agent_and_paginate(client, make_member, tenant):
     keys = [services.create_proxy_key("system:test", tenant, f"bot-{i % 2}").record
             for i in range(52)]

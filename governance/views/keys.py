@@ -1,5 +1,6 @@
 """Proxy keys per agent and API tokens per member: list, create (the secret is shown once),
-revoke proxy keys (with a confirmation page).
+revoke (proxy keys after a confirmation page, since agents in production break at once; API
+tokens straight from the list — an admin issues a new one in the same place).
 
 A new secret is rendered straight into the response to the POST that created it, marked
 `no-store`, instead of the usual POST + redirect: the redirect would have to park the secret in
@@ -20,6 +21,7 @@ from governance.services import (
     ServiceError,
     create_api_token,
     create_proxy_key,
+    revoke_api_token,
     revoke_proxy_key,
 )
 from governance.views.common import console_view, proxy_base_url
@@ -122,3 +124,21 @@ def token_create(request: HttpRequest) -> HttpResponse:
                                   "member": member, "api_url": request.build_absolute_uri(
                                       "/api/v1/")})
 
+
+
+@console_view(permission="manage_keys")
+def token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
+    """POST: revoke an API token of this tenant (idempotent) and back to the list."""
+    if request.method != "POST":
+        return redirect("keys")
+    token = (ApiToken.objects.for_tenant(request.tenant).select_related("user")
+             .filter(pk=token_id).first())
+    if token is None:
+        raise Http404("no such API token")
+    if token.revoked_at is not None:
+        messages.info(request, f"Token {token.prefix}… was already revoked.")
+    else:
+        revoke_api_token(request.user, token)
+        messages.success(request, f"Token {token.prefix}… of {token.user.username} is revoked: "
+                         "the REST API refuses it from now on.")
+    return redirect("keys")
