@@ -99,8 +99,10 @@ def console(chromium, live_server) -> Iterator[Any]:
         page.on("console", lambda msg: msg.type == "error" and cp.problems.append(
             f"console: {msg.text}"))
         page.on("pageerror", lambda exc: cp.problems.append(f"pageerror: {exc}"))
-        page.on("requestfailed", lambda req: cp.problems.append(
-            f"requestfailed: {req.url} {req.failure}"))
+        # ERR_ABORTED: the browser cancelled a request because the page navigated on (e.g. the
+        # favicon of a page left at once) — not a failure of the server or the page.
+        page.on("requestfailed", lambda req: "ERR_ABORTED" not in (req.failure or "")
+                and cp.problems.append(f"requestfailed: {req.url} {req.failure}"))
         page.on("response", lambda resp: resp.status >= 500 and cp.problems.append(
             f"HTTP {resp.status}: {resp.url}"))
         cp.go("/login/")
