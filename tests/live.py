@@ -15,8 +15,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +221,52 @@ def serve_app(app: Any) -> tuple[str, Any]:
     return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
 
 
+@contextmanager
+def celery_worker(queues: str, log_path: Path, name: str, **env: str
+                  ) -> Iterator[subprocess.Popen]:
+    """A real Celery worker subprocess (solo pool) consuming `queues` ("capture", "gpu" or
+    "capture,gpu") from the broker this process's app publishes to — CELERY_BROKER_URL from the
+    environment wins over app.conf, so the worker must be given the same URL — against the test
+    database under the NOBYPASSRLS app role, as in production. Stale messages of those queues
+    from earlier tests are purged first. `env` adds to or overrides the worker's environment;
+    its log goes to `log_path`. Stopped (terminate, then kill) when the block ends."""
+    from django.db import connection
+
+    from config.celery import app
+
+    with app.connection_for_write() as conn:
+        for queue in queues.split(","):
+            try:
+                conn.default_channel.queue_purge(queue)
+            except Exception:  # noqa: BLE001 - the queue may not exist yet
+                pass
+    s = connection.settings_dict
+    proc_env = {
+        **os.environ,
+        "DATABASE_URL": f"postgresql://{s['USER']}@{s['HOST'] or '127.0.0.1'}:"
+                        f"{s['PORT'] or 5432}/{s['NAME']}",
+        "STEWARD_DB_SCOPE_ROLE": "steward_app",
+        "STEWARD_MASTER_KEY": os.environ["STEWARD_MASTER_KEY"],
+        "CELERY_BROKER_URL": app.conf.broker_url,
+        "PYTHONUNBUFFERED": "1",
+        **env,
+    }
+    with open(log_path, "ab") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", queues, "-c", "1",
+             "--pool", "solo", "--without-heartbeat", "--without-gossip", "--without-mingle",
+             "-l", "info", "-n", f"{name}-{os.getpid()}@%h"],
+            cwd=REPO, env=proc_env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        yield worker
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+
+
 @pytest.fixture
 def fake_upstream() -> Iterator[Any]:
     """The demo upstream on a free port: `.url` (server root), `.requests` (recorded requests,
@@ -305,7 +353,6 @@ def proxy_key(transactional_db, steward_proxy) -> LiveKey:
     return LiveKey(issued.secret, issued.record, tenant, issued.record.agent)
 
 
-__all__ = ["LiveKey", "ProxyProcess", "database_url_from_django", "free_port", "master_key",
-           "serve_app",
-           "read_spool", "wait_for_key", "wait_for_port", "wait_for_rejection",
-           "UPSTREAM_API_KEY"]
+__all__ = ["LiveKey", "ProxyProcess", "UPSTREAM_API_KEY", "celery_worker",
+           "database_url_from_django", "free_port", "master_key", "read_spool", "serve_app",
+           "wait_for_key", "wait_for_port", "wait_for_rejection"]

@@ -78,58 +78,21 @@ STEPS = 150  # 0.06-0.4 s each here: long enough for the 2 s poll to show steps 
 
 
 @pytest.fixture
-def celery_worker(redis_broker, tmp_path, live_server):
-    """A real Celery worker (queues capture + gpu) on Redis, against the test database under the
-    app role, as in production. Yields its log path."""
-    import base64
-    import os
-    import subprocess
-    import sys
+def worker_log(tmp_path, live_server):
+    """A real Celery worker (queues capture + gpu) on the broker, against the test database
+    under the app role (tests/live.py celery_worker). Yields its log path."""
+    from tests.live import celery_worker
 
-    from django.db import connection
-
-    from tests.live import REPO, master_key
-
-    s = connection.settings_dict
-    env = dict(os.environ)
-    env.update({
-        "DATABASE_URL": f"postgresql://{s['USER']}@{s['HOST'] or '127.0.0.1'}:"
-                        f"{s['PORT'] or 5432}/{s['NAME']}",
-        "STEWARD_DB_SCOPE_ROLE": "steward_app",
-        "STEWARD_MASTER_KEY": base64.b64encode(master_key()).decode(),
-        "STEWARD_VAR_DIR": str(tmp_path / "var"), "STEWARD_SPOOL_DIR": str(tmp_path / "spool"),
-        "STEWARD_ERASURE_SPOOL_WAIT_S": "1", "CELERY_BROKER_URL": redis_broker,
-        "PYTHONUNBUFFERED": "1",
-    })
     log = tmp_path / "worker.log"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "capture,gpu", "-c",
-         "1", "--pool", "solo", "--without-heartbeat", "--without-gossip", "--without-mingle",
-         "-l", "info", "-n", f"browser-test-{os.getpid()}@%h"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))  # noqa: SIM115
-    yield log
-    worker.terminate()
-    try:
-        worker.wait(20)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-
-
-@pytest.fixture
-def redis_broker():
-    from config.celery import app
-
-    with app.connection_for_write() as conn:
-        for queue in ("capture", "gpu"):
-            try:
-                conn.default_channel.queue_purge(queue)
-            except Exception:  # noqa: BLE001 - the queue may not exist yet
-                pass
-    return app.conf.broker_url
+    with celery_worker("capture,gpu", log, "browser-test",
+                       STEWARD_VAR_DIR=str(tmp_path / "var"),
+                       STEWARD_SPOOL_DIR=str(tmp_path / "spool"),
+                       STEWARD_ERASURE_SPOOL_WAIT_S="1"):
+        yield log
 
 
 def test_the_journey_capture_approve_train_erase(console, steward_proxy, proxy_key, make_member,
-                                                 settings, tmp_path, celery_worker):
+                                                 settings, tmp_path, worker_log):
     """Calls captured through the proxy -> the steward defines, freezes and submits a dataset
     and cannot decide it -> an officer approves -> the steward launches a GRPO job that a real
     worker runs while the progress bar moves -> the officer erases a data subject; the request
@@ -210,7 +173,7 @@ def test_the_journey_capture_approve_train_erase(console, steward_proxy, proxy_k
             break
     page.wait_for_timeout(2500)  # one more poll renders the final state
     assert job.status == TrainingJob.Status.COMPLETED, (job.status, job.error,
-                                                        celery_worker.read_text()[-3000:])
+                                                        worker_log.read_text()[-3000:])
     assert int(float(bar.get_attribute("value"))) == STEPS
     # It moved while we watched: the live fragment showed steps between the first and the last.
     assert any(0 < v < STEPS for v in seen), seen

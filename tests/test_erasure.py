@@ -7,9 +7,7 @@ var/ and spool directories contain the subject's email in clear."""
 from __future__ import annotations
 
 import base64
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 from django.db import OperationalError, connection
 
 from governance import services as gov
-from governance.crypto import master_key, subject_hash
+from governance.crypto import subject_hash
 from governance.erasure import (
     SUPPRESSED_REASON,
     erase_subject,
@@ -39,6 +37,7 @@ from governance.models import (
     Trajectory,
 )
 from tests.govdata import make_trajectory
+from tests.live import celery_worker
 from tests.pipeline import chat_response, make_record, ship_and_build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -333,24 +332,9 @@ def _files_containing(root: Path, needle: bytes) -> list[str]:
     return hits
 
 
-@pytest.fixture
-def redis_broker():
-    """The broker this process's Celery app publishes to (CELERY_BROKER_URL from the
-    environment wins over anything set on app.conf, so the worker subprocess must use the same
-    one), with stale `capture` messages from earlier tests purged."""
-    from config.celery import app
-
-    with app.connection_for_write() as conn:
-        try:
-            conn.default_channel.queue_purge("capture")
-        except Exception:  # noqa: BLE001 - the queue may not exist yet
-            pass
-    yield app.conf.broker_url
-
-
 @pytest.mark.timeout(300)
 def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_member,
-                                              api_client_for, other_tenant, redis_broker,
+                                              api_client_for, other_tenant,
                                               settings, tmp_path):
     import openai
 
@@ -402,23 +386,10 @@ def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_mem
     var_dir = tmp_path / "var"
     var_dir.mkdir()
     s = connection.settings_dict
-    env = dict(os.environ)
-    env.update({
-        "DATABASE_URL": f"postgresql://{s['USER']}@{s['HOST'] or '127.0.0.1'}:"
-                        f"{s['PORT'] or 5432}/{s['NAME']}",
-        "STEWARD_DB_SCOPE_ROLE": "steward_app",
-        "STEWARD_MASTER_KEY": base64.b64encode(master_key()).decode(),
-        "STEWARD_VAR_DIR": str(var_dir), "STEWARD_SPOOL_DIR": str(steward_proxy.spool_dir),
-        "STEWARD_ERASURE_SPOOL_WAIT_S": "5", "CELERY_BROKER_URL": redis_broker,
-        "PYTHONUNBUFFERED": "1",
-    })
     log = tmp_path / "worker.log"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "capture", "-c", "1",
-         "--pool", "solo", "--without-heartbeat", "--without-gossip", "--without-mingle",
-         "-l", "info", "-n", f"erasure-test-{os.getpid()}@%h"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))  # noqa: SIM115
-    try:
+    with celery_worker("capture", log, "erasure-test", STEWARD_VAR_DIR=str(var_dir),
+                       STEWARD_SPOOL_DIR=str(steward_proxy.spool_dir),
+                       STEWARD_ERASURE_SPOOL_WAIT_S="5"):
         url = "/api/v1/erasure-requests/"
         for role in ("steward", "auditor"):
             assert clients[role].post(url, {"subject": EMAIL}, format="json").status_code == 403
@@ -463,9 +434,3 @@ def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_mem
             "the second erasure", log)
         assert again["status"] == "completed"
         assert not any(again["certificate"]["counts"].values())
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(20)
-        except subprocess.TimeoutExpired:
-            worker.kill()

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,7 +24,7 @@ from governance.atdp import atdp_schema
 from governance.models import AuditEvent, Step
 from governance.services import ServiceConflict, ServiceForbidden
 from tests.govdata import make_trajectory
-from tests.live import master_key
+from tests.live import celery_worker
 from trainer import services
 from trainer.lineage import manifest_sha256, merkle_root
 from trainer.models import Checkpoint, TrainingJob, TrainingMetric
@@ -546,34 +543,10 @@ def _wait(pred, timeout: float, what: str, log: Path):
 @pytest.mark.timeout(600)
 def test_celery_worker_runs_cancels_and_resumes_a_job(transactional_db, tenant, people,
                                                       var_dir, tmp_path):
-    from config.celery import app
-
     users, clients = people
     version, trajs = make_version(tenant, people)
-    broker = app.conf.broker_url
-    with app.connection_for_write() as conn:  # no stale gpu messages from earlier runs
-        try:
-            conn.default_channel.queue_purge("gpu")
-        except Exception:  # noqa: BLE001 - the queue may not exist yet
-            pass
-    s = connection.settings_dict
-    env = dict(os.environ)
-    env.update({
-        "DATABASE_URL": f"postgresql://{s['USER']}@{s['HOST'] or '127.0.0.1'}:"
-                        f"{s['PORT'] or 5432}/{s['NAME']}",
-        # The worker's scopes assume the NOBYPASSRLS app role, as in production.
-        "STEWARD_DB_SCOPE_ROLE": "steward_app",
-        "STEWARD_MASTER_KEY": __import__("base64").b64encode(master_key()).decode(),
-        "STEWARD_VAR_DIR": str(var_dir), "CELERY_BROKER_URL": broker,
-        "PYTHONUNBUFFERED": "1",
-    })
     log = tmp_path / "worker.log"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "gpu", "-c", "1",
-         "--pool", "solo", "--without-heartbeat", "--without-gossip", "--without-mingle",
-         "-l", "info", "-n", f"gpu-test-{os.getpid()}@%h"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))  # noqa: SIM115
-    try:
+    with celery_worker("gpu", log, "gpu-test", STEWARD_VAR_DIR=str(var_dir)):
         r = clients["steward"].post("/api/v1/training-jobs/", {
             "dataset_version": version.pk,
             "config": {**TINY, "total_steps": 5000, "save_every": 100000}}, format="json")
@@ -603,9 +576,3 @@ def test_celery_worker_runs_cancels_and_resumes_a_job(transactional_db, tenant, 
         assert list(TrainingMetric.objects.filter(job_id=job_id).order_by("step")
                     .values_list("step", flat=True)) == list(range(1, job.step + 1))
         assert "trainer.tasks.run_training_job" in log.read_text()
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
