@@ -50,6 +50,23 @@ def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+def write_snapshot_file(path: Path, doc: dict, what: str) -> None:
+    """Replace `path` with `doc` as JSON atomically (write a 0600 temp file, fsync, rename), so
+    a proxy restarted during a database outage never reads half a snapshot. Failure is logged,
+    not raised: the in-memory table stays in force."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(doc))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        log.exception("%s: cannot write snapshot %s", what, path)
+
+
 class PolledConnection:
     """The one autocommit psycopg connection a background poller (key table, routing table)
     keeps open between polls; reconnects lazily after drop_connection() (an outage)."""
@@ -159,17 +176,7 @@ class KeyTable(PolledConnection):
         doc = {"written_at": time.time(),
                "keys": {h: [k.key_id, k.tenant_id, k.tenant_slug, k.agent_id, k.agent_name,
                             k.revoked] for h, k in self.table.items()}}
-        try:
-            self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.snapshot_path.with_name(self.snapshot_path.name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(orjson.dumps(doc))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.snapshot_path)
-        except OSError:
-            log.exception("key table: cannot write snapshot %s", self.snapshot_path)
+        write_snapshot_file(self.snapshot_path, doc, "key table")
 
     def _load_snapshot(self) -> None:
         if self.snapshot_path is None or not self.snapshot_path.exists():

@@ -60,7 +60,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from proxy.keys import PolledConnection
+from proxy.keys import PolledConnection, write_snapshot_file
 
 log = logging.getLogger("steward.routing")
 
@@ -564,17 +564,7 @@ class RoutingTable(PolledConnection):
             return
         doc = {"written_at": time.time(), "routes": [r.as_list() for r in routes],
                "updates": [u.as_list() for u in updates]}
-        try:
-            self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.snapshot_path.with_name(self.snapshot_path.name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(orjson.dumps(doc))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.snapshot_path)
-        except OSError:
-            log.exception("routing: cannot write snapshot %s", self.snapshot_path)
+        write_snapshot_file(self.snapshot_path, doc, "routing")
 
     def _load_snapshot(self) -> None:
         if self.snapshot_path is None or not self.snapshot_path.exists():
