@@ -55,7 +55,7 @@ import orjson  # noqa: E402
 from mitmproxy import ctx, http  # noqa: E402
 
 from governance.crypto import load_master_key  # noqa: E402  (Django-free)
-from proxy import errors  # noqa: E402
+from proxy import dispatch, errors  # noqa: E402
 from proxy.inference import (  # noqa: E402
     Decision,
     TrajectoryIndex,
@@ -196,6 +196,10 @@ class Steward:
     # -- lifecycle ----------------------------------------------------------------------
     def load(self, loader) -> None:
         errors.install()
+        try:
+            dispatch.install(ctx.master.addons)
+        except Exception as e:  # only a speed-up: mitmproxy's own dispatch still works
+            log.warning("fast hook dispatch not installed: %s", e)
         try:
             s = self.settings = Settings.from_env()
             master = load_master_key(s.master_key_env, s.master_key_file, create=False)
