@@ -24,6 +24,8 @@ table is refreshed by a thread, the spool is written by a thread):
   reader and the shipper) is built and the inference index learns the exchange. That work
   runs in a `call_soon` callback, i.e. after mitmproxy has written the response to the agent;
   records reach the spool writer thread in bursts every 20 ms (one wake-up and fsync per burst).
+  The record keeps the raw header fields and bodies; their text and base64 forms are made on the
+  writer thread (`spool_form`), so the event loop does not spend time on them.
 - Upstream unreachable -> 502, no response headers within STEWARD_UPSTREAM_TIMEOUT -> 504, both
   as OpenAI error JSON (mechanism in proxy/errors.py), and a failed step is spooled.
 
@@ -41,7 +43,6 @@ import os
 import socket
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from mitmproxy import ctx, http  # noqa: E402
 
 from governance.crypto import load_master_key  # noqa: E402  (Django-free)
 from proxy import dispatch, errors  # noqa: E402
+from proxy.ids import new_id  # noqa: E402
 from proxy.inference import (  # noqa: E402
     Decision,
     TrajectoryIndex,
@@ -141,7 +143,8 @@ class Capture:
 
     def __init__(self, key: KeyInfo, endpoint: str, decision: Decision, step_id: str,
                  session: str | None, subject: str | None, consent: str,
-                 request_headers: list[list[str]], request_body: bytes, request_json: Any,
+                 request_headers: tuple[tuple[bytes, bytes], ...], request_body: bytes,
+                 request_json: Any,
                  hashes: list[bytes] | None) -> None:
         self.key = key
         self.endpoint = endpoint
@@ -150,7 +153,7 @@ class Capture:
         self.session = session
         self.subject = subject
         self.consent = consent
-        self.request_headers = request_headers
+        self.request_headers = request_headers  # as the agent sent them (raw fields)
         self.request_body = request_body
         self.request_json = request_json  # parsed body, None when not JSON
         self.hashes = hashes  # prefix hashes of chat messages
@@ -171,6 +174,21 @@ def _header_list(fields: tuple[tuple[bytes, bytes], ...]) -> list[list[str]]:
 
 def _b64(data: bytes | None) -> str | None:
     return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def spool_form(record: dict[str, Any]) -> dict[str, Any]:
+    """The JSON form of a record built by `Steward._finish` (runs on the spool writer thread):
+    header fields as [name, value] text pairs, without the agent's Authorization (its proxy
+    key is never stored), bodies as base64."""
+    record["request_headers"] = [[_header_text(k), _header_text(v)]
+                                 for k, v in record["request_headers"]
+                                 if k.lower() != b"authorization"]
+    response_headers = record["response_headers"]
+    if response_headers is not None:
+        record["response_headers"] = _header_list(response_headers)
+    record["request_body"] = _b64(record["request_body"])
+    record["response_body"] = _b64(record["response_body"])
+    return record
 
 
 def _routing_record(plan: Plan, applied: list) -> dict | None:
@@ -203,7 +221,8 @@ class Steward:
         try:
             s = self.settings = Settings.from_env()
             master = load_master_key(s.master_key_env, s.master_key_file, create=False)
-            self.spool = SpoolWriter(s.spool_dir, master, max_bytes=s.spool_max_bytes)
+            self.spool = SpoolWriter(s.spool_dir, master, max_bytes=s.spool_max_bytes,
+                                     prepare=spool_form)
             if not s.database_url:
                 log.warning("DATABASE_URL is unset: only keys in the snapshot are accepted")
             self.keys = KeyTable(s.database_url, s.spool_dir.parent / "proxy-keys.json",
@@ -280,9 +299,11 @@ class Steward:
             flow.response = errors.error_response(503, self.broken)
             return
         assert self.settings is not None
-        length = flow.request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > self.settings.max_request_bytes:
-            flow.response = self._too_large(int(length))
+        for name, value in flow.request.headers.fields:  # cheaper than Headers.get (hot path)
+            if name.lower() == b"content-length":
+                if value.isdigit() and int(value) > self.settings.max_request_bytes:
+                    flow.response = self._too_large(int(value))
+                return
 
     def _too_large(self, size: int) -> http.Response:
         assert self.settings is not None
@@ -356,8 +377,7 @@ class Steward:
                     400, "X-Steward-Consent must be 'train' or 'no-train'.",
                     code="invalid_steward_header")
                 return
-            recorded = [[_header_text(k), _header_text(v)] for k, v in req.headers.fields
-                        if k.lower() != b"authorization"]
+            recorded = req.headers.fields  # decoded on the spool writer thread (spool_form)
             # Plain bytes in the spool (and a parseable SSE tee): ask for no compression.
             forwarded = [f for f in forwarded if f[0].lower() != b"accept-encoding"]
             forwarded.append((b"accept-encoding", b"identity"))
@@ -382,9 +402,9 @@ class Steward:
         decision = decide(self.index, scope, endpoint, body, session, hashes)
         routing, raw = self._route(flow, endpoint, key, decision, body, raw)
         flow.metadata["steward"] = cap = Capture(
-            key=key, endpoint=endpoint, decision=decision, step_id=str(uuid.uuid4()),
+            key=key, endpoint=endpoint, decision=decision, step_id=new_id(),
             session=session, subject=subject, consent=consent,
-            request_headers=recorded or [], request_body=raw,
+            request_headers=recorded, request_body=raw,
             request_json=body if is_json else None, hashes=hashes,
         )
         cap.routing = routing
@@ -456,8 +476,8 @@ class Steward:
         # After mitmproxy has written the response (this hook runs before a buffered response
         # is sent): build the record and update the index on the next loop iteration.
         asyncio.get_running_loop().call_soon(self._finish, flow, cap, resp.status_code,
-                                             _header_list(resp.headers.fields),
-                                             body, cap.chunks is not None, error,
+                                             resp.headers.fields, body,
+                                             cap.chunks is not None, error,
                                              resp.timestamp_end or time.time())
 
     def error(self, flow: http.HTTPFlow) -> None:
@@ -480,7 +500,7 @@ class Steward:
         body = b"".join(cap.chunks) if cap.chunks is not None else None
         self._finish(
             flow, cap, resp.status_code if resp else None,
-            _header_list(resp.headers.fields) if resp else None,
+            resp.headers.fields if resp else None,
             body, cap.chunks is not None, {"kind": kind, "message": msg}, time.time())
 
     def client_disconnected(self, client) -> None:
@@ -522,10 +542,10 @@ class Steward:
 
     # -- record -------------------------------------------------------------------------
     def _finish(self, flow: http.HTTPFlow, cap: Capture, status: int | None,
-                response_headers: list[list[str]] | None, body: bytes | None, is_stream: bool,
-                error: dict | None, t_end: float) -> None:
+                response_headers: tuple[tuple[bytes, bytes], ...] | None, body: bytes | None,
+                is_stream: bool, error: dict | None, t_end: float) -> None:
         assert self.spool is not None
-        record = {
+        record = {  # raw fields and bodies: spool_form makes the JSON form on the writer thread
             "v": 1,
             "flow_id": flow.id,
             "proxy_instance": self.instance,
@@ -542,11 +562,11 @@ class Steward:
             "method": flow.request.method,
             "path": flow.request.path,
             "request_headers": cap.request_headers,
-            "request_body": _b64(cap.request_body),
+            "request_body": cap.request_body,
             "request_is_json": cap.request_json is not None,
             "response_status": status,
             "response_headers": response_headers,
-            "response_body": _b64(body),
+            "response_body": body,
             "is_stream": is_stream,
             "error": error,
             "routing": cap.routing,

@@ -1,10 +1,11 @@
 """The local spool: an append-only, encrypted, fsync'd journal of finished exchanges.
 
 The proxy's hooks call `SpoolWriter.append(record)`, which only puts the record on a queue; a
-writer thread encrypts each record (AES-256-GCM under a key derived from the master key),
-appends it as one base64 line to the active segment and fsyncs every `batch_size` records or
-`batch_ms` milliseconds, whichever comes first. So the event loop never waits for the disk, and
-a crash loses at most one unsynced batch.
+writer thread turns it into its JSON form (`prepare`, e.g. the addon's base64 of the bodies and
+decoding of the header fields, kept off the event loop), encrypts each record (AES-256-GCM
+under a key derived from the master key), appends it as one base64 line to the active segment
+and fsyncs every `batch_size` records or `batch_ms` milliseconds, whichever comes first. So the
+event loop never waits for the disk, and a crash loses at most one unsynced batch.
 
 Layout of the spool directory:
     seg-<unix_ms>-<pid>-<n>.open    the segment being written (one per proxy process)
@@ -26,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,11 @@ def spool_bytes(spool_dir: Path) -> int:
 class SpoolWriter:
     def __init__(self, spool_dir: Path, master_key: bytes, *, batch_size: int = 64,
                  batch_ms: float = 20.0, segment_bytes: int = 16 * 1024 * 1024,
-                 segment_seconds: float = 60.0, max_bytes: int = 1024**3) -> None:
+                 segment_seconds: float = 60.0, max_bytes: int = 1024**3,
+                 prepare: Callable[[Any], dict[str, Any]] | None = None) -> None:
         self.dir = Path(spool_dir)
+        # Runs on the writer thread: an appended item -> its JSON-serialisable record.
+        self.prepare = prepare
         self.dir.mkdir(parents=True, exist_ok=True)
         self.key = spool_key(master_key)
         self.batch_size = batch_size
@@ -131,7 +135,8 @@ class SpoolWriter:
                     stopping = True
                     break
                 try:
-                    pending.append(encode_line(self.key, item))
+                    record = self.prepare(item) if self.prepare is not None else item
+                    pending.append(encode_line(self.key, record))
                 except Exception:  # a record we cannot serialise must not kill the writer
                     log.exception("spool: dropping unserialisable record %s",
                                   item.get("flow_id") if isinstance(item, dict) else "?")
