@@ -81,21 +81,27 @@ _original_send = _http1.Http1Server.send
 
 
 def _send(self, event):
+    # Called for every event the HTTP/1 server layer sends (each SSE chunk included) as
+    # `yield from self.send(event)`: return mitmproxy's own generator untouched unless this is
+    # the error page, rather than wrapping every event in another generator frame.
     if (isinstance(event, ResponseProtocolError) and not self.response
-            and self.conn.state & ConnectionState.CAN_WRITE):
-        status = event.code.http_status_code()
-        if status is not None:
-            timeout_message = _timed_out.pop(self.conn.id, None)
-            if timeout_message is not None:
-                status, message = 504, timeout_message
-            elif status == 502:
-                message = f"Steward could not reach the upstream model server: {event.message}"
-            else:
-                message = event.message
-            yield commands.SendData(self.conn, _raw_error(status, message))
-            yield commands.CloseConnection(self.conn)
-            return
-    yield from _original_send(self, event)
+            and self.conn.state & ConnectionState.CAN_WRITE
+            and event.code.http_status_code() is not None):
+        return _send_error(self, event)
+    return _original_send(self, event)
+
+
+def _send_error(self, event: ResponseProtocolError):
+    status = event.code.http_status_code()
+    timeout_message = _timed_out.pop(self.conn.id, None)
+    if timeout_message is not None:
+        status, message = 504, timeout_message
+    elif status == 502:
+        message = f"Steward could not reach the upstream model server: {event.message}"
+    else:
+        message = event.message
+    yield commands.SendData(self.conn, _raw_error(status, message))
+    yield commands.CloseConnection(self.conn)
 
 
 def install() -> None:
