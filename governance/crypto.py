@@ -64,9 +64,13 @@ def derive_key(master: bytes, purpose: str) -> bytes:
                 info=f"steward/{purpose}".encode()).derive(master)
 
 
-def seal(key: bytes, plaintext: bytes, associated_data: bytes | None = None) -> bytes:
+def seal(key: bytes | AESGCM, plaintext: bytes, associated_data: bytes | None = None) -> bytes:
+    """`key` may be a prepared AESGCM, for a caller sealing many records under one long-lived
+    key (the spool writer: building the cipher costs more than sealing a record). Data keys
+    are not kept that way: a crypto-shredded key must not live on in a cache."""
     nonce = os.urandom(NONCE_BYTES)
-    return nonce + AESGCM(key).encrypt(nonce, plaintext, associated_data)
+    aead = key if isinstance(key, AESGCM) else AESGCM(key)
+    return nonce + aead.encrypt(nonce, plaintext, associated_data)
 
 
 def open_sealed(key: bytes, sealed: bytes, associated_data: bytes | None = None) -> bytes:

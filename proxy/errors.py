@@ -15,10 +15,10 @@ installed version (a missing attribute fails loudly instead of silently serving 
 HTTP/2 clients are not covered (OpenAI SDKs speak HTTP/1.1 to a plain-HTTP base_url).
 
 The upstream timeout (mitmproxy has no upstream read timeout): the addon's `request` hook
-schedules `loop.call_later(STEWARD_UPSTREAM_TIMEOUT, ...)`; `responseheaders` cancels it. When it
-fires, `mark_timed_out(client_conn_id)` is recorded and the server connection's handler task is
-cancelled; mitmproxy then treats the upstream as closed (ResponseProtocolError, normally a 502)
-and the wrap above turns it into 504.
+records the flow's deadline (now + STEWARD_UPSTREAM_TIMEOUT; one sweep timer checks them all);
+`responseheaders` removes it. When it passes, `mark_timed_out(client_conn_id)` is recorded and
+the server connection's handler task is cancelled; mitmproxy then treats the upstream as closed
+(ResponseProtocolError, normally a 502) and the wrap above turns it into 504.
 """
 
 from __future__ import annotations

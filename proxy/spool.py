@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from governance.crypto import derive_key, open_sealed, seal
 
@@ -46,7 +47,7 @@ def spool_key(master: bytes) -> bytes:
     return derive_key(master, "spool")
 
 
-def encode_line(key: bytes, record: dict[str, Any]) -> bytes:
+def encode_line(key: bytes | AESGCM, record: dict[str, Any]) -> bytes:
     return base64.b64encode(seal(key, orjson.dumps(record), b"steward-spool-v1")) + b"\n"
 
 
@@ -76,6 +77,7 @@ class SpoolWriter:
         self.prepare = prepare
         self.dir.mkdir(parents=True, exist_ok=True)
         self.key = spool_key(master_key)
+        self._cipher = AESGCM(self.key)  # one cipher object for every record (see seal)
         self.batch_size = batch_size
         self.batch_s = batch_ms / 1000
         self.segment_bytes = segment_bytes
@@ -136,7 +138,7 @@ class SpoolWriter:
                     break
                 try:
                     record = self.prepare(item) if self.prepare is not None else item
-                    pending.append(encode_line(self.key, record))
+                    pending.append(encode_line(self._cipher, record))
                 except Exception:  # a record we cannot serialise must not kill the writer
                     log.exception("spool: dropping unserialisable record %s",
                                   item.get("flow_id") if isinstance(item, dict) else "?")
