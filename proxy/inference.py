@@ -155,16 +155,32 @@ def decide(index: TrajectoryIndex, scope: Scope, endpoint: str, body: Any,
 
 
 # -- reading the answer out of a response ------------------------------------------------
-def iter_sse_data(body: bytes):
-    """The JSON payloads of an SSE body's `data:` lines (skips `[DONE]` and junk)."""
-    for line in body.splitlines():
-        if line.startswith(b"data:"):
-            data = line[5:].strip()
-            if data and data != b"[DONE]":
-                try:
-                    yield orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    continue
+def iter_sse_data(body: bytes) -> list[Any]:
+    """The JSON payloads of an SSE body's `data:` lines (skips `[DONE]` and junk).
+
+    This runs on the proxy's event loop once per streamed answer (trajectory inference), and a
+    real stream has one event per token: the payloads are parsed as one JSON array, one C call
+    instead of one per event (~25% less time on 200 events). A payload that is not JSON makes
+    that parse fail or yield a different count, and then each is parsed on its own. (Invalid
+    payloads crafted to pair up into valid JSON could still fool the count; inference is best
+    effort, and such a stream is one the agent's own client could not read either.)"""
+    payloads = [data for line in body.splitlines() if line.startswith(b"data:")
+                if (data := line[5:].strip()) and data != b"[DONE]"]
+    if not payloads:
+        return []
+    try:
+        docs = orjson.loads(b"[" + b",".join(payloads) + b"]")
+        if len(docs) == len(payloads):
+            return docs
+    except orjson.JSONDecodeError:
+        pass
+    docs = []
+    for data in payloads:
+        try:
+            docs.append(orjson.loads(data))
+        except orjson.JSONDecodeError:
+            continue
+    return docs
 
 
 def chat_answer(body: bytes, is_stream: bool) -> dict | None:

@@ -15,6 +15,7 @@ from proxy.inference import (
     TrajectoryIndex,
     canonical_message,
     chat_answer,
+    iter_sse_data,
     decide,
     message_text,
     prefix_hashes,
@@ -172,6 +173,16 @@ def test_chat_answer_from_json_and_stream():
                                       "function": {"name": "calc", "arguments": "{\"a\":1}"}}]
     assert chat_answer(b"not json", False) is None
     assert chat_answer(b"data: [DONE]\n\n", True) is None
+
+
+def test_stream_with_payloads_that_are_not_json_keeps_the_others():
+    good = [{"choices": [{"index": 0, "delta": {"content": part}}]} for part in ("a", "b", "c")]
+    for junk in (b"{broken", b'{"x": 1}, {"y": 2}', b"1, 2, 3", b"[", b"]"):
+        stream = (b"data: " + orjson.dumps(good[0]) + b"\n\ndata: " + junk + b"\n\n"
+                  b"data: " + orjson.dumps(good[1]) + b"\n\n: a comment\n\n"
+                  b"data: " + orjson.dumps(good[2]) + b"\n\ndata: [DONE]\n\n")
+        assert chat_answer(stream, True)["content"] == "abc", junk
+        assert [d for d in iter_sse_data(stream) if isinstance(d, dict)][:1] == good[:1]
 
 
 def test_streamed_answer_matches_what_the_agent_sends_back():

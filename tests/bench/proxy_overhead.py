@@ -182,7 +182,19 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--no-pin", action="store_true",
+                        help="do not pin the proxies to CPU 0 and the load generator and "
+                        "upstream to the other CPUs")
     args = parser.parse_args()
+    # Pinning: mitmproxy serves on one thread, so a proxy's capacity is one core. Without
+    # pinning, the load generator and the upstream compete with it for that core and the
+    # 16-connection cells measure the scheduler as much as the proxy (seen: plain mitmdump's
+    # CPU per request varying 1.8-2.5 ms between identical runs). Pinned, each proxy (all its
+    # threads: the affinity is set before exec) has CPU 0 to itself while it is measured.
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = not args.no_pin and len(cpus) >= 2
+    proxy_cpus, other_cpus = ({cpus[0]}, set(cpus[1:])) if pin else (set(cpus), set(cpus))
+    os.sched_setaffinity(0, other_cpus)
 
     server_url = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/steward")
     tmp = Path(tempfile.mkdtemp(prefix="steward-bench-"))
@@ -216,7 +228,8 @@ def main() -> int:
             port = free_port()
             procs.append(subprocess.Popen(
                 [str(MITMDUMP), *common, "--listen-port", str(port), *extra], cwd=REPO,
-                env={**env, **extra_env}, stdout=subprocess.DEVNULL))
+                env={**env, **extra_env}, stdout=subprocess.DEVNULL,
+                preexec_fn=lambda: os.sched_setaffinity(0, proxy_cpus)))
             wait_port(port)
             configs[name] = f"http://127.0.0.1:{port}"
             pids[name] = procs[-1].pid
@@ -246,6 +259,8 @@ def main() -> int:
                             for m in ("p50", "p99", "ttfb", "cpu_us"):
                                 b[m] = min(b[m], res[m])
                             b["errors"] += res["errors"]
+        args.pinning = (f"proxies on CPU {sorted(proxy_cpus)}, load generator and upstream on "
+                        f"{sorted(other_cpus)}" if pin else "no CPU pinning")
         report(configs, best, args)
         return 0
     finally:
@@ -267,7 +282,7 @@ async def _status(url: str, key: str) -> int:
 
 def report(configs: dict[str, str], best: dict, args) -> None:
     print(f"\n## Proxy overhead ({args.seconds:g} s per cell, best of {args.rounds} rounds, "
-          f"{os.cpu_count()} CPUs)\n")
+          f"{os.cpu_count()} CPUs, {args.pinning})\n")
     print("| config | conns | req/s | p50 ms | p99 ms | server CPU µs/req | "
           "stream TTFB p50 ms | stream CPU µs/req | errors |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
