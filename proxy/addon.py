@@ -274,9 +274,10 @@ class Steward:
         self.instance = f"{socket.gethostname()}:{port}"
         if self.routing is not None:
             self.routing.attach_loop(asyncio.get_running_loop())
-        log.info("steward proxy %s ready (%d keys from %s)", self.instance,
+        log.info("steward proxy %s ready (%d keys from %s; hook dispatch: %s)", self.instance,
                  len(self.keys.table) if self.keys else 0,
-                 self.keys.loaded_from if self.keys else "-")
+                 self.keys.loaded_from if self.keys else "-",
+                 "steward" if dispatch.installed(ctx.master.addons) else "mitmproxy")
 
     def done(self) -> None:
         if self.keys is not None:

@@ -78,6 +78,10 @@ class HookTable:
         return table
 
 
+def installed(manager: AddonManager) -> bool:
+    return getattr(manager, _INSTALLED, None) is not None
+
+
 def install(manager: AddonManager) -> HookTable:
     """Idempotent per manager. Returns the manager's hook table."""
     existing = getattr(manager, _INSTALLED, None)

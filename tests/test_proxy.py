@@ -427,3 +427,15 @@ def test_a_known_key_works_on_the_first_request_after_start(start_proxy, fake_up
         headers={"Authorization": f"Bearer {issued.secret}"}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.headers["x-steward-trajectory"]
+
+
+def test_the_running_proxy_uses_stewards_hook_dispatch(steward_proxy):
+    """decision 13: the addon installs proxy/dispatch.py on load; a silent fallback to
+    mitmproxy's dispatch (e.g. after a mitmproxy upgrade) would cost ~1 ms per request."""
+    deadline = time.monotonic() + 20
+    while "ready (" not in steward_proxy.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = steward_proxy.log()
+    assert "hook dispatch: steward" in log, log
+    assert "fast hook dispatch not installed" not in log
+
