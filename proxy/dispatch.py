@@ -95,9 +95,8 @@ def install(manager: AddonManager) -> HookTable:
     original_invoke = manager.invoke_addon
 
     async def trigger_event(event: hooks.Hook) -> None:
-        name = event.name
         args = event.args()
-        for entry, found in table.entries(name):
+        for entry, found in table.entries(event.name):
             try:
                 with safecall():
                     if found is None:
@@ -109,15 +108,12 @@ def install(manager: AddonManager) -> HookTable:
                             await result
             except exceptions.AddonHalt:
                 break
-        if name == "configure":
-            table.invalidate()
 
     def invalidating(method: Callable) -> Callable:
         def wrapper(*a: Any, **kw: Any) -> Any:
-            table.invalidate()
             try:
                 return method(*a, **kw)
-            finally:
+            finally:  # rebuilt lazily, at the next event, from the tree as it is then
                 table.invalidate()
 
         wrapper.__name__ = method.__name__

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mitmproxy import addonmanager, ctx, exceptions, hooks, options
+from mitmproxy import addonmanager, exceptions, hooks, options
 from mitmproxy.addons import script
 from mitmproxy.master import Master
 from mitmproxy.proxy.layers.http import HttpRequestHook, HttpResponseHook
@@ -257,8 +257,7 @@ def test_scripts_loaded_reloaded_and_unloaded_through_mitmproxy(tmp_path: Path, 
             await asyncio.sleep(0.01)
         await master.addons.handle_lifecycle(HttpRequestHook(f))
         path.write_text(textwrap.dedent(SCRIPT.format(tag="v2")))
-        with ctx_of(master):
-            loader.addons[0].loadscript()
+        loader.addons[0].loadscript()  # ctx.master is this master (set by Master.__init__)
         await master.addons.handle_lifecycle(HttpRequestHook(f))
         master.options.update(scripts=[])
         await master.addons.handle_lifecycle(HttpRequestHook(f))
@@ -292,20 +291,6 @@ def test_reordered_scripts_are_called_in_the_new_order(tmp_path: Path, script_se
 
     asyncio.run(go())
     assert [tag for tag, _ in script_seen] == ["one", "two", "two", "one"]
-
-
-class ctx_of:
-    """Make `ctx.master` point at `master` (mitmproxy's addons use it on reload)."""
-
-    def __init__(self, master: Master) -> None:
-        self.master = master
-
-    def __enter__(self) -> None:
-        self.saved = getattr(ctx, "master", None)
-        ctx.master = self.master
-
-    def __exit__(self, *exc) -> None:
-        ctx.master = self.saved
 
 
 def test_the_dispatch_is_cheaper_than_mitmproxys_on_mitmdumps_addons():
