@@ -155,7 +155,7 @@ def decide(index: TrajectoryIndex, scope: Scope, endpoint: str, body: Any,
 
 
 # -- reading the answer out of a response ------------------------------------------------
-def iter_sse_data(body: bytes) -> list[Any]:
+def sse_payloads(body: bytes) -> list[Any]:
     """The JSON payloads of an SSE body's `data:` lines (skips `[DONE]` and junk).
 
     This runs on the proxy's event loop once per streamed answer (trajectory inference), and a
@@ -196,7 +196,7 @@ def chat_answer(body: bytes, is_stream: bool) -> dict | None:
     text: list[str] = []
     calls: dict[int, dict] = {}
     seen = False
-    for chunk in iter_sse_data(body):
+    for chunk in sse_payloads(body):
         if not isinstance(chunk, dict):
             continue
         for choice in chunk.get("choices") or ():
@@ -234,7 +234,7 @@ def response_id(body: bytes, is_stream: bool) -> str | None:
             return rid if isinstance(rid, str) else None
     except orjson.JSONDecodeError:
         return None
-    for event in iter_sse_data(body):
+    for event in sse_payloads(body):
         if isinstance(event, dict) and isinstance(event.get("response"), dict):
             rid = event["response"].get("id")
             if isinstance(rid, str):

@@ -6,7 +6,7 @@ import uuid
 
 import orjson
 
-from proxy.ids import STEWARD_NAMESPACE, session_trajectory_id
+from proxy.ids import STEWARD_NAMESPACE, new_id, session_trajectory_id
 from proxy.inference import (
     NEW,
     PREFIX,
@@ -16,10 +16,10 @@ from proxy.inference import (
     canonical_message,
     chat_answer,
     decide,
-    iter_sse_data,
     message_text,
     prefix_hashes,
     response_id,
+    sse_payloads,
 )
 
 SCOPE = (1, 2)
@@ -182,7 +182,7 @@ def test_stream_with_payloads_that_are_not_json_keeps_the_others():
                   b"data: " + orjson.dumps(good[1]) + b"\n\n: a comment\n\n"
                   b"data: " + orjson.dumps(good[2]) + b"\n\ndata: [DONE]\n\n")
         assert chat_answer(stream, True)["content"] == "abc", junk
-        assert [d for d in iter_sse_data(stream) if isinstance(d, dict)][:1] == good[:1]
+        assert [d for d in sse_payloads(stream) if isinstance(d, dict)][:1] == good[:1]
 
 
 def test_streamed_answer_matches_what_the_agent_sends_back():
@@ -200,3 +200,12 @@ def test_response_id_from_json_and_stream():
               + b"\n\n")
     assert response_id(stream, True) == "resp_7"
     assert response_id(b"", True) is None
+
+
+def test_new_id_is_a_canonical_random_uuid4():
+    ids = {new_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    for text in list(ids)[:100]:
+        parsed = uuid.UUID(text)
+        assert str(parsed) == text and parsed.version == 4 and parsed.variant == uuid.RFC_4122
+
