@@ -125,7 +125,6 @@ def token_create(request: HttpRequest) -> HttpResponse:
                                       "/api/v1/")})
 
 
-
 @console_view(permission="manage_keys")
 def token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
     """POST: revoke an API token of this tenant (idempotent) and back to the list."""
