@@ -139,6 +139,15 @@ def ensure_member(actor: Any, tenant: Tenant, username: str, role: str,
 
 @tenant_atomic("tenant")
 def create_api_token(actor: Any, tenant: Tenant, user: Any) -> IssuedSecret:
+    """Issue a REST token acting as `user` in `tenant`. A person is issued a token only for
+    themself: a token minted for someone else would let its holder act (read raw payloads,
+    approve) as that person, and the audit log would blame them (separation of duties). Only
+    the operator's bootstrap tools (a "system:..." actor, e.g. `manage.py create_api_token`)
+    issue tokens to a named member."""
+    person = _user(actor)
+    if person is not None and person.pk != getattr(user, "pk", None):
+        raise ServiceForbidden("an API token is issued only to yourself: the member creates "
+                               "their own (an admin may revoke anyone's)")
     if not Membership.objects.filter(tenant=tenant, user=user).exists():
         raise ServiceError(f"{user} is not a member of {tenant.slug}")
     secret = new_token(API_TOKEN_PREFIX)

@@ -1,5 +1,5 @@
 """Console keys page: proxy keys shown once with a ready-to-paste snippet, revocation with a
-confirmation (audited), API tokens for members, roles and tenant scope."""
+confirmation (audited), API tokens (only ever for oneself), roles and tenant scope."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def test_admin_sees_keys_and_tokens(client, make_member, tenant):
     assert "Create a proxy key" in body and '<label for="key-agent">' in body
     assert f"{key.prefix}…" in body and "billing-bot" in body and "active" in body
     assert f"/keys/{key.pk}/revoke/" in body
-    assert "API tokens" in body and '<label for="token-user">' in body
-    assert "admin-user" in body  # a member to make a token for
+    assert "API tokens" in body and "Create my API token" in body
+    # No member picker: a token is only ever issued to the person asking for it.
+    assert '<label for="token-user">' not in body and 'name="user"' not in body
 
 
 @pytest.mark.parametrize("role", ["steward", "compliance", "auditor"])
@@ -109,23 +110,39 @@ def test_outsider_cannot_see_or_revoke(client, make_member, tenant, other_tenant
     assert key.revoked_at is None
 
 
-def test_api_token_for_a_member_is_shown_once(client, make_member, tenant, other_tenant):
+def test_own_api_token_is_shown_once(client, make_member, tenant, other_tenant):
     admin = _login(client, make_member)
-    auditor = make_member("auditor")
-    response = client.post("/keys/api-tokens/", {"user": str(auditor.pk)})
+    response = client.post("/keys/api-tokens/")
     assert response.status_code == 200 and "no-store" in response["Cache-Control"]
     secret = TOKEN_SECRET.search(response.content.decode()).group(0)
-    token = ApiToken.objects.get(user=auditor)
+    token = ApiToken.objects.get(user=admin)
     assert token.key_hash == token_hash(secret) and token.tenant_id == tenant.pk
     assert AuditEvent.objects.filter(action="api_token.created", object_id=str(token.pk),
                                      actor=f"user:{admin.pk}").exists()
     listing = client.get("/keys/").content.decode()
     assert secret not in listing and f"{token.prefix}…" in listing
+    # Naming oneself explicitly is the same thing.
+    assert client.post("/keys/api-tokens/", {"user": str(admin.pk)}).status_code == 200
+    assert ApiToken.objects.filter(user=admin).count() == 2
     # Someone who is not a member of this tenant gets no token.
     outsider = make_member("admin", "outsider", on=other_tenant)
     response = client.post("/keys/api-tokens/", {"user": str(outsider.pk)}, follow=True)
     assert "choose a member of this tenant" in response.content.decode()
     assert not ApiToken.objects.filter(user=outsider).exists()
+
+
+@pytest.mark.parametrize("role", ["compliance", "steward", "auditor", "admin"])
+def test_admin_cannot_mint_a_token_for_another_member(client, make_member, tenant, role):
+    """Separation of duties: a token minted for a compliance officer would let the admin read
+    raw payloads and approve as the officer, with the audit log blaming the officer."""
+    _login(client, make_member)
+    other = make_member(role, f"other-{role}")
+    response = client.post("/keys/api-tokens/", {"user": str(other.pk)}, follow=True)
+    body = response.content.decode()
+    assert "No token was created" in body and "only to yourself" in body
+    assert TOKEN_SECRET.search(body) is None
+    assert not ApiToken.objects.filter(user=other).exists()
+    assert not AuditEvent.objects.filter(action="api_token.created").exists()
 
 
 def test_api_token_revoke_is_audited_and_the_token_stops_working(client, make_member, tenant,

@@ -1,6 +1,7 @@
 """Proxy keys per agent and API tokens per member: list, create (the secret is shown once),
 revoke (proxy keys after a confirmation page, since agents in production break at once; API
-tokens straight from the list — an admin issues a new one in the same place).
+tokens straight from the list). An API token is issued only to the admin asking for it; they
+may revoke anyone's.
 
 A new secret is rendered straight into the response to the POST that created it, marked
 `no-store`, instead of the usual POST + redirect: the redirect would have to park the secret in
@@ -42,8 +43,6 @@ def _context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
         "page": Paginator(keys, PAGE_SIZE).get_page(request.GET.get("page")),
         "tokens": Paginator(tokens, PAGE_SIZE).get_page(request.GET.get("tokens_page")),
         "agents": Agent.objects.for_tenant(request.tenant).order_by("name"),
-        "members": (Membership.objects.for_tenant(request.tenant).select_related("user")
-                    .order_by("user__username")),
         "base_url": proxy_base_url(request),
         "agent_name": "",
         "agent_filter": agent_filter,
@@ -106,10 +105,12 @@ def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
 
 @console_view(permission="manage_keys")
 def token_create(request: HttpRequest) -> HttpResponse:
-    """An API token for a member of the tenant (the REST API acts with the member's role)."""
+    """An API token for the person asking (the REST API acts with their role). Never for
+    another member: its holder would act as that member (separation of duties, enforced by
+    the service); a `user` field naming someone else is refused with the reason."""
     if request.method != "POST":
         return redirect("keys")
-    user_id = request.POST.get("user", "")
+    user_id = request.POST.get("user", "").strip() or str(request.user.pk)
     member = (Membership.objects.for_tenant(request.tenant).select_related("user")
               .filter(user_id=int(user_id)).first() if user_id.isdigit() else None)
     if member is None:
