@@ -206,11 +206,19 @@ STEWARD_MASTER_KEY_FILE = os.environ.get("STEWARD_MASTER_KEY_FILE", str(VAR_DIR 
 # master key so a single secret is enough for the embedded appliance.
 STEWARD_RAW_RETENTION_DAYS = env_int("STEWARD_RAW_RETENTION_DAYS", 7)
 STEWARD_HARNESS_VERSION = "steward-proxy/0.1"
-# SGLang serving the policy on a GPU host (deploy/sglang/launch.sh): training jobs with
-# rollout_backend "sglang" sample from it and push weights to it; promotion and rollback push
-# the chosen checkpoint to it. Empty: jobs roll out with HF transformers in the worker.
+# SGLang serving the policy on a GPU host (deploy/sglang/launch.sh): promotion and rollback
+# push the chosen checkpoint to it. Training never does (its engines are
+# STEWARD_ROLLOUT_ENGINES).
 STEWARD_SGLANG_URL = os.environ.get("STEWARD_SGLANG_URL", "")
 STEWARD_SGLANG_API_KEY = os.environ.get("STEWARD_SGLANG_API_KEY", "")
+# An SGLang serving the candidate arm of a weight canary (trainer/evolution_services.py).
+STEWARD_SGLANG_CANARY_URL = os.environ.get("STEWARD_SGLANG_CANARY_URL", "")
+STEWARD_UPSTREAM_API_KEY = os.environ.get("STEWARD_UPSTREAM_API_KEY", "").strip()
+# The operator's engines (proxy/engines.py): the only URLs a candidate, a baseline, a canary
+# route or a training job may name. "name=url" pairs; each one's credential is
+# STEWARD_ENGINE_<NAME>_API_KEY. Rollout engines never serve agents.
+STEWARD_ENGINE_ALLOWLIST = os.environ.get("STEWARD_ENGINE_ALLOWLIST", "")
+STEWARD_ROLLOUT_ENGINES = os.environ.get("STEWARD_ROLLOUT_ENGINES", "")
 
 LOGGING = {
     "version": 1,

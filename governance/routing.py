@@ -34,13 +34,13 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from django.db.models import Count, Q
 from django.utils import timezone
 
 from governance.audit import record_event
 from governance.datasets import latest_reward_value
+from governance.engines import candidate_engine_url
 from governance.models import Agent, ContextUpdate, Interaction, PolicyRoute, Tenant, Trajectory
 from governance.services import ServiceConflict, ServiceError
 from governance.tenancy import tenant_atomic, tenant_context
@@ -247,18 +247,6 @@ def reject_context_update(actor: Any, update: ContextUpdate, reason: str) -> Con
 # --- routes ---------------------------------------------------------------------------------
 
 
-def _validate_url(url: str) -> str:
-    url = (url or "").strip()
-    if not url:
-        return ""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ServiceError("upstream_url must be an http(s) URL with a host")
-    if parts.query or parts.fragment:
-        raise ServiceError("upstream_url must not carry a query or fragment")
-    return url.rstrip("/")
-
-
 @tenant_atomic("tenant")
 def start_canary(actor: Any, tenant: Tenant, agent: Agent | int, *, candidate_ref: str,
                  share: float, upstream_url: str = "", model: str = "",
@@ -281,7 +269,8 @@ def start_canary(actor: Any, tenant: Tenant, agent: Agent | int, *, candidate_re
             or not isinstance(max_error_rate_increase, (int, float)) \
             or not 0 <= max_error_rate_increase <= 1:
         raise ServiceError("max_error_rate_increase must be between 0 and 1")
-    upstream_url = _validate_url(upstream_url)
+    # Never a free URL: the proxy sends live agent calls there (governance/engines.py).
+    upstream_url = candidate_engine_url(upstream_url, "upstream_url")
     model = (model or "").strip()
     if len(model) > 256:
         raise ServiceError("model is longer than 256 characters")

@@ -9,7 +9,9 @@ table is refreshed by a thread, the spool is written by a thread):
   captured endpoints: the upstream's native endpoints (e.g. SGLang's `/generate` or
   `/update_weights_from_disk`) must never be an open relay through the appliance.
 - The agent's key is replaced by `Bearer $STEWARD_UPSTREAM_API_KEY` (removed when unset), and
-  `X-Steward-*` headers are stripped before forwarding.
+  `X-Steward-*` headers are stripped before forwarding. A canary route sends its sessions only
+  to an engine the operator listed (proxy/engines.py), with that engine's own credential; a
+  route naming any other URL is not followed (its sessions stay on the control upstream).
 - Captured (spooled) are only `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`.
   Anything else authenticated (`/v1/models`, `/v1/embeddings`, `/health`, ...) passes through
   uncaptured. On captured paths `Accept-Encoding` is forced to `identity` so the spooled body
@@ -57,6 +59,7 @@ from mitmproxy import ctx, http  # noqa: E402
 
 from governance.crypto import load_master_key  # noqa: E402  (Django-free)
 from proxy import dispatch, errors  # noqa: E402
+from proxy.engines import Engine, Engines  # noqa: E402
 from proxy.ids import new_id  # noqa: E402
 from proxy.inference import (  # noqa: E402
     Decision,
@@ -110,6 +113,9 @@ class Settings:
         self.database_url: str = values["database_url"]
         self.master_key_env: str = values["master_key_env"]
         self.master_key_file: str = values["master_key_file"]
+        # The operator's candidate engines (proxy/engines.py): a canary route is followed only
+        # to one of them, with that engine's own credential.
+        self.engines: Engines = values.get("engines") or Engines(lambda _name: None)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -131,6 +137,7 @@ class Settings:
             master_key_env=os.environ.get("STEWARD_MASTER_KEY", ""),
             master_key_file=os.environ.get("STEWARD_MASTER_KEY_FILE",
                                            str(var_dir / "master.key")),
+            engines=Engines(os.environ.get),
         )
 
 
@@ -213,6 +220,7 @@ class Steward:
         # flow id -> (loop deadline, flow) of forwarded requests awaiting response headers
         self._deadlines: dict[str, tuple[float, http.HTTPFlow]] = {}
         self._sweep: asyncio.TimerHandle | None = None
+        self._unknown_engine_routes: set[int | None] = set()  # logged once each
 
     # -- lifecycle ----------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -429,18 +437,43 @@ class Steward:
             plan = NO_PLAN
         if plan is NO_PLAN:
             return None, raw
+        engine = None
+        if plan.upstream_url:
+            engine = self.settings.engines.for_url(plan.upstream_url)
+            if engine is None or upstream_parts(engine.url) is None:
+                # Fail mode: a route to an engine this proxy's operator did not list (a row
+                # written before the allow-list, or an engine removed since) is not followed;
+                # the call goes to the control upstream untouched and untagged.
+                self._warn_unknown_engine(plan)
+                return None, raw
         applied = apply_plan(endpoint, body, plan) if plan.changes_request else []
         req = flow.request
         if applied or (plan.model and isinstance(body, dict) and "model" in body):
             raw = orjson.dumps(body)
             req.content = raw
-        if plan.upstream_url:
-            parts = upstream_parts(plan.upstream_url)
-            if parts is not None:
-                req.scheme, req.host, req.port = parts[0], parts[1], parts[2]
-                if parts[3]:
-                    req.path = parts[3] + req.path
+        if engine is not None:
+            self._send_to(req, engine)
         return _routing_record(plan, applied), raw
+
+    def _send_to(self, req: http.Request, engine: Engine) -> None:
+        """Point the request at a candidate engine with that engine's credential only (the
+        upstream provider's key never leaves for another host)."""
+        scheme, host, port, prefix = upstream_parts(engine.url)  # type: ignore[misc]
+        req.scheme, req.host, req.port = scheme, host, port
+        if prefix:
+            req.path = prefix + req.path
+        fields = [f for f in req.headers.fields if f[0].lower() != b"authorization"]
+        if engine.api_key:
+            fields.append((b"authorization", b"Bearer " + engine.api_key.encode()))
+        req.headers.fields = tuple(fields)
+
+    def _warn_unknown_engine(self, plan: Plan) -> None:
+        if plan.route_id in self._unknown_engine_routes:
+            return  # once per route, not once per request
+        self._unknown_engine_routes.add(plan.route_id)
+        log.error("routing: route %s names an engine that is not in STEWARD_ENGINE_ALLOWLIST "
+                  "(or STEWARD_UPSTREAM_URL / STEWARD_SGLANG_CANARY_URL) of this proxy; its "
+                  "sessions stay on the control upstream", plan.route_id)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         self._disarm_timeout(flow)

@@ -206,12 +206,14 @@ def test_context_update_validation_versions_and_audit(tenant, agent, make_member
     assert ContextUpdate.objects.count() == 2
 
 
-def test_start_canary_validation_conflicts_and_scoping(tenant, other_tenant, agent):
+def test_start_canary_validation_conflicts_and_scoping(tenant, other_tenant, agent, settings):
+    settings.STEWARD_ENGINE_ALLOWLIST = "sglang-b=http://sglang:30000"
     other_agent = ensure_agent("system:test", other_tenant, "bot")
     for kwargs in [dict(share=0, model="m"), dict(share=1.5, model="m"),
                    dict(share=float("nan"), model="m"), dict(share=True, model="m"),
                    dict(share=0.1, upstream_url="ftp://x"),
                    dict(share=0.1, upstream_url="http://x/?q=1"),
+                   dict(share=0.1, upstream_url="http://not-listed:30000"),  # a free URL
                    dict(share=0.1, model=""),  # changes nothing
                    dict(share=0.1, model="m", min_sessions_per_arm=1),
                    dict(share=0.1, model="m", max_error_rate_increase=2)]:

@@ -217,11 +217,13 @@ class FakeModels:
 
     def __init__(self) -> None:
         self.requests: list[dict] = []
+        self.credentials: set[str | None] = set()  # the Authorization headers received
         self.harmful = set(ev.harmful_prompts())
 
     async def chat(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        self.credentials.add(request.headers.get("Authorization"))
         model = body.get("model", "")
         msgs = body.get("messages") or []
         system = " ".join(m.get("content") or "" for m in msgs if m.get("role") == "system")
@@ -251,11 +253,14 @@ class FakeModels:
 
 
 @pytest.fixture
-def fake_models() -> Iterator[tuple[FakeModels, str]]:
+def fake_models(settings) -> Iterator[tuple[FakeModels, str]]:
+    """The fake, listed as the operator's candidate engine `fake-models` (a candidate or a
+    baseline names an allow-listed engine, never a free URL)."""
     fake = FakeModels()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.chat)
     url, stop = serve_app(app)
+    settings.STEWARD_ENGINE_ALLOWLIST = f"fake-models={url}"
     yield fake, url
     stop()
 

@@ -22,6 +22,13 @@ from trainer.models import Candidate, Checkpoint, Proposal, TrainingJob
 ROLES = ["admin", "steward", "compliance", "auditor"]
 
 
+@pytest.fixture(autouse=True)
+def candidate_engine(settings):
+    """The URL the candidates below are served at is one the operator allow-listed (a
+    candidate never names a free URL); nothing listens there."""
+    settings.STEWARD_ENGINE_ALLOWLIST = "dead-end=http://127.0.0.1:9"
+
+
 def arm(tenant, agent, route, name: str, rewards: list[float]) -> None:
     for value in rewards:
         traj = make_trajectory(tenant, agent, steps=1)

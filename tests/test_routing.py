@@ -287,17 +287,31 @@ def world(transactional_db):
     return acme, other, keys
 
 
+CANDIDATE_KEY = "sk-candidate-engine-credential"
+
+
 @pytest.fixture
-def candidate_upstream():
+def candidate_upstream(settings):
+    """A second demo upstream, listed as the operator's candidate engine `candidate` with its
+    own credential (the web side reads Django settings, the proxy its environment: start())."""
     from proxy.demo_upstream import start_in_thread
 
     server = start_in_thread()
+    settings.STEWARD_ENGINE_ALLOWLIST = f"candidate={server.url}"
     yield server
     server.stop()
 
 
+def engine_env() -> dict[str, str]:
+    """The proxy's view of the operator's candidate engines: the same as the web's."""
+    from django.conf import settings
+
+    return {"STEWARD_ENGINE_ALLOWLIST": settings.STEWARD_ENGINE_ALLOWLIST,
+            "STEWARD_ENGINE_CANDIDATE_API_KEY": CANDIDATE_KEY}
+
+
 def start(start_proxy, upstream, keys) -> object:
-    proxy = start_proxy(upstream.url, STEWARD_ROUTING_REFRESH_SECONDS="30")
+    proxy = start_proxy(upstream.url, STEWARD_ROUTING_REFRESH_SECONDS="30", **engine_env())
     for issued in keys.values():
         wait_for_key(proxy, issued.secret)
     return proxy
@@ -476,3 +490,58 @@ def test_database_down_keeps_the_last_snapshot(world, start_proxy, fake_upstream
     assert upstream_body(fake_upstream)["model"] == "cand-model"
     chat(client_for(down, keys["a1"].secret), "s-new")
     assert upstream_body(fake_upstream)["model"] == "cand-model"
+
+
+# --- the operator's engines only, each with its own credential (issue 12, item 2) ----------
+
+
+def auth_of(request: dict) -> str | None:
+    return next((v for k, v in request["headers"] if k.lower() == "authorization"), None)
+
+
+def test_the_candidate_engine_gets_its_own_credential_never_the_upstream_key(
+        world, start_proxy, fake_upstream, candidate_upstream):
+    from governance.routing import start_canary
+    from tests.live import UPSTREAM_API_KEY
+
+    acme, _, keys = world
+    start_canary("system:test", acme, keys["a1"].record.agent, candidate_ref="candidate:5",
+                 share=1.0, upstream_url="candidate", model="cand-model")  # by engine name
+    proxy = start(start_proxy, fake_upstream, keys)
+    fake_upstream.clear()
+    candidate_upstream.clear()
+    for i in range(3):
+        chat(client_for(proxy, keys["a1"].secret), f"s-{i}")
+    chat(client_for(proxy, keys["a2"].secret), "control-arm")  # a2 has no route
+    assert len(candidate_upstream.requests) == 3
+    assert {auth_of(r) for r in candidate_upstream.requests} == {f"Bearer {CANDIDATE_KEY}"}
+    assert not any(UPSTREAM_API_KEY in str(r["headers"]) for r in candidate_upstream.requests)
+    assert [auth_of(r) for r in fake_upstream.requests] == [f"Bearer {UPSTREAM_API_KEY}"]
+
+
+def test_a_route_to_an_engine_the_operator_did_not_list_is_not_followed(
+        world, start_proxy, fake_upstream, candidate_upstream):
+    """A route row naming any other host (written before the allow-list, or straight into the
+    table) sends nothing there: the calls stay on the control upstream, unchanged."""
+    from governance.models import PolicyRoute
+    from governance.routing import start_canary
+    from proxy.demo_upstream import start_in_thread
+
+    rogue = start_in_thread()
+    try:
+        acme, _, keys = world
+        route = start_canary("system:test", acme, keys["a1"].record.agent,
+                             candidate_ref="candidate:6", share=1.0,
+                             upstream_url=candidate_upstream.url, model="cand-model")
+        PolicyRoute.objects.filter(pk=route.pk).update(candidate_upstream_url=rogue.url)
+        proxy = start(start_proxy, fake_upstream, keys)
+        fake_upstream.clear()
+        for i in range(3):
+            raw = chat(client_for(proxy, keys["a1"].secret), f"s-{i}")
+            assert raw.status_code == 200
+        assert len(rogue.requests) == 0 and len(candidate_upstream.requests) == 0
+        assert [upstream_body(fake_upstream)["model"]] == ["demo-model"]
+        assert len(fake_upstream.requests) == 3
+        assert "names an engine that is not in STEWARD_ENGINE_ALLOWLIST" in proxy.log()
+    finally:
+        rogue.stop()

@@ -16,7 +16,9 @@ Serving engines (env or Django settings): STEWARD_SGLANG_URL — production SGLa
 promoted checkpoint's weights (and the previous ones back on rollback); STEWARD_SGLANG_CANARY_URL
 — an SGLang that serves the candidate arm of a weight canary (gets the candidate's weights when
 its canary starts); STEWARD_SGLANG_API_KEY for both. None configured: the gate result says that
-no serving engine was updated.
+no serving engine was updated. A candidate served elsewhere, and the baseline, name one of the
+operator's candidate engines (STEWARD_ENGINE_ALLOWLIST, governance/engines.py), each called
+with its own credential — never a URL a steward typed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from governance.audit import record_event
+from governance.engines import candidate_engine_url
 from governance.models import Agent, DatasetVersion, Membership, Tenant
 from governance.permissions import member_can
 from governance.services import ServiceConflict, ServiceError, ServiceForbidden
@@ -137,6 +140,8 @@ def set_evolution_policy(actor: Any, tenant: Tenant, **values: Any) -> Evolution
                 value = version
         elif key in ("baseline_upstream_url", "baseline_model", "reward_name"):
             value = str(value or "").strip()
+            if key == "baseline_upstream_url" and value:
+                value = candidate_engine_url(value, "baseline_upstream_url")
         elif value is not None:
             try:
                 value = float(value) if key not in ("min_sessions_per_arm",
@@ -175,19 +180,6 @@ def checkpoint_refusal(ckpt: Checkpoint) -> str | None:
     return None
 
 
-def _validate_url(url: str) -> str:
-    """An http(s) URL with a host and nothing after the path (the rule routes use too)."""
-    from urllib.parse import urlsplit
-
-    url = (url or "").strip()
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query \
-            or parts.fragment:
-        raise ServiceError("upstream_url must be an http(s) URL with a host, without a query "
-                           "or fragment")
-    return url.rstrip("/")
-
-
 def _enqueue_gates(candidate_id: int) -> None:
     from trainer.evolution_tasks import run_gates
 
@@ -201,9 +193,10 @@ def propose_candidate(actor: Any, tenant: Tenant, *, agent: Agent | int,
                       upstream_url: str = "", model: str = "",
                       eval_version: DatasetVersion | int | None = None) -> Candidate:
     """A candidate for `agent`: new weights (a checkpoint, and/or a model served at
-    upstream_url) or a draft context update (kind memory | skill | harness for a system-prompt
-    snippet, tool_schema for tool definitions). Refused (ServiceForbidden / ServiceConflict,
-    with the reason) for a tainted checkpoint or one whose dataset version was invalidated.
+    upstream_url — the name or URL of an engine the operator listed, never a free URL) or a
+    draft context update (kind memory | skill | harness for a system-prompt snippet,
+    tool_schema for tool definitions). Refused (ServiceForbidden / ServiceConflict, with the
+    reason) for a tainted checkpoint or one whose dataset version was invalidated.
     Its gates run in the Celery task enqueued when this transaction commits."""
     from governance.models import ContextUpdate
 
@@ -247,7 +240,7 @@ def propose_candidate(actor: Any, tenant: Tenant, *, agent: Agent | int,
             raise ServiceError("a weight candidate needs a checkpoint, or an upstream URL and "
                                "model that serve it")
     if upstream_url:
-        upstream_url = _validate_url(upstream_url)
+        upstream_url = candidate_engine_url(upstream_url, "upstream_url")
     if eval_version is not None:
         version = DatasetVersion.objects.for_tenant(tenant).filter(
             pk=getattr(eval_version, "pk", eval_version)).select_related("approval").first()

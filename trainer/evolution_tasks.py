@@ -36,6 +36,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from governance.audit import record_event
+from governance.engines import Engine
 from governance.models import DatasetVersion, Step, Tenant
 from governance.tenancy import tenant_context
 from trainer import evolution as ev
@@ -113,27 +114,39 @@ def _agent_model(cand: Candidate) -> str:
             .values_list("request_model", flat=True).first()) or ""
 
 
+def _engine(url: str, what: str) -> Engine | str:
+    """The operator's candidate engine at `url`, or the reason it cannot be used (a row from
+    before the allow-list, or an engine the operator has since removed): prompts and a
+    credential go only to a listed engine, and each engine gets only its own credential."""
+    from governance.engines import candidate_engine
+    from governance.services import ServiceError
+
+    try:
+        return candidate_engine(url, what)
+    except ServiceError as exc:
+        return str(exc)
+
+
 def _upstream_baseline(cand: Candidate, policy: EvolutionPolicy | None
                        ) -> tuple[ev.Policy | None, dict[str, Any]]:
     """The current production policy behind the proxy: the tenant's baseline upstream and
     model, else STEWARD_UPSTREAM_URL and the model the agent last asked for."""
-    import os
-
     url = (policy.baseline_upstream_url if policy else "") or settings.STEWARD_UPSTREAM_URL
     model = (policy.baseline_model if policy else "") or _agent_model(cand)
     if not url or not model:
         return None, {"error": "no current policy to compare with: set the baseline upstream "
                                "and model (evolution policy) or STEWARD_UPSTREAM_URL"}
-    return (ev.UpstreamPolicy(url, model, api_key=os.environ.get("STEWARD_UPSTREAM_API_KEY", ""),
+    engine = _engine(url, "the baseline upstream")
+    if isinstance(engine, str):
+        return None, {"error": engine}
+    return (ev.UpstreamPolicy(engine.url, model, api_key=engine.api_key,
                               label=f"current: {model}", max_tokens=256),
-            {"kind": "upstream", "url": url, "model": model})
+            {"kind": "upstream", "url": engine.url, "model": model, "engine": engine.name})
 
 
 def gather_inputs(candidate_id: int, tenant_id: int) -> GateInputs | str:
     """Everything the offline gates need, read in the tenant's scope; a string is the reason
     the gates cannot run (the candidate is stopped with it)."""
-    import os
-
     from trainer.services import TINY_BASE
     from trainer.tasks import ensure_tiny_base
 
@@ -159,14 +172,17 @@ def gather_inputs(candidate_id: int, tenant_id: int) -> GateInputs | str:
             candidate: ev.Policy = ev.UpstreamPolicy(
                 baseline["url"], baseline["model"], label=f"candidate: {cand.kind} update "
                 f"v{update.version}", context_update=(update.kind, update.content),
-                api_key=os.environ.get("STEWARD_UPSTREAM_API_KEY", ""))
+                api_key=current.api_key)  # the same engine as the baseline: its credential
         elif cand.upstream_url:
             current, baseline = _upstream_baseline(cand, policy)
             if current is None:
                 return baseline["error"]
-            candidate = ev.UpstreamPolicy(cand.upstream_url, cand.model,
+            engine = _engine(cand.upstream_url, "the candidate's upstream_url")
+            if isinstance(engine, str):
+                return engine
+            candidate = ev.UpstreamPolicy(engine.url, cand.model,
                                           label=f"candidate: {cand.model}",
-                                          api_key=os.environ.get("STEWARD_UPSTREAM_API_KEY", ""))
+                                          api_key=engine.api_key)
         else:
             path, version, what = svc._previous_weights(cand)
             if job is not None and job.base_model == TINY_BASE and path == Path(

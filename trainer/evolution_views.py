@@ -103,8 +103,20 @@ def evolution(request: HttpRequest) -> HttpResponse:
                                  invalidated_at__isnull=True)
                          .select_related("dataset").order_by("-created_at")[:50]),
         "thresholds": svc.thresholds_for(tenant).to_dict(),
+        "engines": _engine_names(),
     }
     return render(request, "console/evolution.html", context)
+
+
+def _engine_names() -> list[str]:
+    """The operator's candidate engines a checkpoint may be served at (a choice, never a
+    free URL: governance/engines.py). A broken configuration offers none; proposing says why."""
+    from governance.engines import engines
+
+    try:
+        return sorted(engines().candidates)
+    except ServiceError:
+        return []
 
 
 def _get_candidate(request: HttpRequest, candidate_id: int) -> Candidate:
