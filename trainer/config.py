@@ -38,7 +38,8 @@ class GRPOConfig:
     group_size: int = 8                   # actor_rollout_ref.rollout.n: samples per prompt
     temperature: float = 1.0              # actor_rollout_ref.rollout.temperature
     rollout_backend: str = "hf"           # actor_rollout_ref.rollout.name: "hf" | "sglang"
-    rollout_url: str = ""                 # the SGLang server; "" = STEWARD_SGLANG_URL
+    rollout_url: str = ""                 # an operator rollout engine (name or URL); "" = the
+    #                                       first of STEWARD_ROLLOUT_ENGINES (trainer.services)
     # --- actor update
     lr: float = 1e-6                      # actor_rollout_ref.actor.optim.lr
     weight_decay: float = 0.01            # actor_rollout_ref.actor.optim.weight_decay

@@ -15,13 +15,34 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+log = logging.getLogger(__name__)
+
+
+def _sglang_message(body: bytes) -> str:
+    """': <message>' when `body` is SGLang's JSON error ({"message": "..."}), else ''."""
+    try:
+        message = json.loads(body).get("message")
+    except (ValueError, AttributeError):
+        return ""
+    return f": {message[:200]}" if isinstance(message, str) and message else ""
+
+
+def _phrase(code: int) -> str:
+    """The standard reason phrase (never the server's own status line text)."""
+    try:
+        return HTTPStatus(code).phrase
+    except ValueError:
+        return ""
 
 
 @dataclass
@@ -195,8 +216,14 @@ class SGLangRollout:
         except urllib.error.HTTPError as e:
             if allow_missing and e.code == 404:
                 return None
-            detail = e.read()[:500].decode(errors="replace")
-            raise RolloutError(f"SGLang {path} answered {e.code}: {detail}") from e
+            # The answer body stays in the worker's log: the error is stored on the job (read
+            # by auditors, written into the audit chain) and must not carry what a server
+            # answered — an internal page, a secret (issue 12). Only SGLang's own error shape,
+            # a JSON object's "message" (the engine is an operator's rollout engine), is kept.
+            body = e.read()[:2000]
+            log.warning("SGLang %s%s answered %s: %r", self.url, path, e.code, body[:500])
+            raise RolloutError(f"SGLang {path} answered HTTP {e.code} {_phrase(e.code)}"
+                               f"{_sglang_message(body)}") from e
         except urllib.error.URLError as e:
             raise RolloutError(f"SGLang at {self.url} unreachable: {e.reason}") from e
         return json.loads(body) if body.strip() else {}

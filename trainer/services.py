@@ -94,11 +94,26 @@ def build_config(overrides: dict[str, Any] | None, base_model: str, base_path: P
         config = GRPOConfig.from_dict(data)
     except (TypeError, ValueError) as exc:
         raise ServiceError(f"invalid training config: {exc}") from None
-    if config.rollout_backend == "sglang" and not (config.rollout_url
-                                                   or settings.STEWARD_SGLANG_URL):
-        raise ServiceError("rollout_backend 'sglang' needs rollout_url in the config or "
-                           "STEWARD_SGLANG_URL on the workers")
+    if config.rollout_backend == "sglang" or config.rollout_url:
+        # The worker sends the engine's key, prompts and (every step) weights to rollout_url:
+        # only a rollout engine of the operator's, never one that serves agents.
+        config.rollout_url = rollout_engine_for(config).url
     return config.to_dict()
+
+
+def rollout_engine_for(config: Any) -> Any:
+    """The operator's rollout engine a GRPOConfig names (its rollout_url: an engine's name or
+    exact URL; "" the first listed), else ServiceError — checked at launch and again in the
+    task, so a job stored before the rule, or an engine the operator removed or made a
+    serving engine since, never gets a request."""
+    from governance.engines import EngineError, engines
+
+    if config.rollout_backend != "sglang":
+        raise ServiceError("rollout_url is only for rollout_backend 'sglang'")
+    try:
+        return engines().rollout_engine(config.rollout_url, "rollout_url")
+    except EngineError as exc:
+        raise ServiceError(str(exc)) from None
 
 
 def _check_trainable(version: DatasetVersion) -> None:

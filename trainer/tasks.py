@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from celery import shared_task
-from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 from django.db.models import Q
 from django.utils import timezone
@@ -303,13 +302,16 @@ def rollout_backend(config: Any) -> Any:
     directory the worker and the SGLang server must both see (same host, or a shared volume)."""
     if config.rollout_backend == "hf":
         return None
+    from governance.services import ServiceError
     from trainer.rollout import SGLangRollout
+    from trainer.services import rollout_engine_for
 
-    url = config.rollout_url or settings.STEWARD_SGLANG_URL
-    if not url:
-        raise ValueError("rollout_backend 'sglang' needs rollout_url or STEWARD_SGLANG_URL")
-    return SGLangRollout(url, staging_dir=Path(config.output_dir) / "sglang-weights",
-                         api_key=settings.STEWARD_SGLANG_API_KEY or None)
+    try:
+        engine = rollout_engine_for(config)
+    except ServiceError as exc:  # never a request to it: the job is refused with the reason
+        raise Refused(str(exc)) from None
+    return SGLangRollout(engine.url, staging_dir=Path(config.output_dir) / "sglang-weights",
+                         api_key=engine.api_key or None)
 
 
 def run_job(job_id: int, tenant_id: int) -> str:
