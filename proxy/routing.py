@@ -60,6 +60,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from proxy.engines import EngineError, validate_http_url
 from proxy.keys import PolledConnection, write_snapshot_file
 
 log = logging.getLogger("steward.routing")
@@ -253,15 +254,15 @@ def apply_plan(endpoint: str, body: Any, plan: Plan) -> list[Update]:
 
 
 def upstream_parts(url: str) -> tuple[str, str, int, str] | None:
-    """(scheme, host, port, path prefix) of a candidate upstream URL."""
+    """(scheme, host, port, path prefix) of a candidate upstream URL; None for one the URL
+    check (proxy/engines.py) refuses."""
     try:
-        parts = urlsplit(url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
+        parts = urlsplit(validate_http_url(url))
+    except EngineError:
         return None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return None
-    return parts.scheme, parts.hostname, port, parts.path.rstrip("/")
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    return scheme, parts.hostname or "", port, parts.path.rstrip("/")
 
 
 # --- the table ----------------------------------------------------------------------------
