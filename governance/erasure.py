@@ -531,7 +531,7 @@ def _scan_stage(req: ErasureRequest) -> None:
         _save(req, "delete")
         record_event(ACTOR, "erasure.scanned", tenant=req.tenant_id,
                      object_type="erasure_request", object_id=req.pk,
-                     payload={**{k: v for k, v in req.progress["scan"].items()
+                     payload={**{k: v for k, v in req.progress.get("scan", {}).items()
                                  if not k.startswith("after_")}, "matched_now": matched})
 
 
