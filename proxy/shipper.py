@@ -341,10 +341,18 @@ class Shipper:
                     size += (self.spool_dir / (stem + suffix)).stat().st_size
                 except FileNotFoundError:
                     pass
-        SpoolState.objects.update_or_create(
-            name=self.spool_name, defaults={
-                "pending_segments": pending, "pending_bytes": size,
-                "drained_through": drained_through, "updated_at": timezone.now()})
+        try:
+            SpoolState.objects.update_or_create(
+                name=self.spool_name, defaults={
+                    "pending_segments": pending, "pending_bytes": size,
+                    "drained_through": drained_through, "updated_at": timezone.now()})
+        except (OperationalError, InterfaceError):
+            raise  # the database is down: the loop backs off and retries
+        except DatabaseError:
+            # Advisory for erasure (which then names this spool as not reporting): shipping
+            # itself must go on.
+            log.exception("shipper: could not record the spool state of %s", self.spool_name)
+            return
         self._last_state = (pending, now)
 
     # -- validation ----------------------------------------------------------------------

@@ -193,3 +193,30 @@ def test_step_id_collision_and_unattributable_records_keep_their_places(tenant, 
         (tenant.pk, clash["flow_id"])]
     assert [d["record"]["flow_id"] for d in shipper.read_dead_letters()] == [foreign["flow_id"]]
     assert all("_tenant_table" not in d for d in shipper.read_dead_letters())
+
+
+def test_dead_letters_expire_like_raw_payloads(tenant, agent, tmp_path, settings):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from governance.retention import purge_expired
+
+    first = make_record(tenant.pk, agent.pk, response=chat_response())
+    clashes = []
+    for _ in range(2):
+        clash = make_record(tenant.pk, agent.pk, response=chat_response())
+        clash["step_id"] = first["step_id"]
+        clashes.append(clash)
+    write_records(tmp_path, [first, *clashes])
+    Shipper(tmp_path, enqueue=None).ship_once()
+    now = timezone.now()
+    recent, old = (DeadLetter.objects.get(flow_id=c["flow_id"]) for c in clashes)
+    assert recent.expires_at > now + timedelta(days=6)  # STEWARD_RAW_RETENTION_DAYS
+    DeadLetter.objects.filter(pk=recent.pk).update(expires_at=now - timedelta(seconds=1))
+    DeadLetter.objects.filter(pk=old.pk).update(created_at=now - timedelta(days=400))
+    result = purge_expired(tenant.pk, now=now)[tenant.pk]
+    assert result["dead_letters"] == 1
+    recent.refresh_from_db()
+    assert recent.record_ciphertext is None  # the record is gone, the row says what happened
+    assert not DeadLetter.objects.filter(pk=old.pk).exists()
