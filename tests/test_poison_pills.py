@@ -220,3 +220,42 @@ def test_dead_letters_expire_like_raw_payloads(tenant, agent, tmp_path, settings
     recent.refresh_from_db()
     assert recent.record_ciphertext is None  # the record is gone, the row says what happened
     assert not DeadLetter.objects.filter(pk=old.pk).exists()
+
+
+@pytest.mark.timeout(180)
+def test_nul_bytes_through_the_real_proxy_are_shipped(steward_proxy, proxy_key, tmp_path):
+    """The exchange the adversarial review sent: a NUL byte in X-Steward-Session and in the
+    query string, on the wire, through the running proxy; then the real shipper."""
+    import socket
+
+    body = json.dumps(_chat("hello")).encode()
+    head = (b"POST /v1/chat/completions?debug=a\x00b HTTP/1.1\r\n"
+            b"Host: 127.0.0.1\r\n"
+            b"Authorization: Bearer " + proxy_key.secret.encode() + b"\r\n"
+            b"Content-Type: application/json\r\n"
+            b"X-Steward-Session: sess\x00ion\r\n"
+            b"Connection: close\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", steward_proxy.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    # The demo upstream (aiohttp) answers 400 to a NUL in the URL; the proxy forwards that and
+    # captures the exchange like any failed call.
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.split()[1] in (b"200", b"400"), answer[:500]
+    step_id = next(line.split(b":", 1)[1].strip().decode()
+                   for line in rest.split(b"\r\n") if line.lower().startswith(b"x-steward-step:"))
+    rec = steward_proxy.wait_for_record(step_id)
+    assert "\x00" in rec["session_id"] and "\x00" in rec["path"]
+
+    from tests.live import master_key as spool_master_key
+
+    counts = Shipper(steward_proxy.spool_dir, master_key=spool_master_key(),
+                     enqueue=None).ship_once()
+    assert counts.inserted >= 1 and counts.dead_lettered == 0
+    ia = Interaction.objects.get(step_id=step_id)
+    assert ia.path == "/v1/chat/completions?debug=a\\x00b"
+    assert ia.trajectory.session_id == "sess\\x00ion"
+    assert open_raw(ia)["path"] == "/v1/chat/completions?debug=a\x00b"
