@@ -473,7 +473,8 @@ def _scan(req: ErasureRequest) -> int:
     wanted = set(req.lookup_hashes)
     hasher = subject_hasher(tenant_id)
     with tenant_context(tenant_id):
-        sanitizer = sanitizer_for_tenant(Tenant.objects.get(pk=tenant_id))
+        tenant = Tenant.objects.get(pk=tenant_id)
+    sanitizer = sanitizer_for_tenant(tenant)  # may load spaCy: outside the transaction
     scan = req.progress.setdefault("scan", {
         "after_interaction": 0, "after_dead_letter": 0, "scanned": 0, "matched": 0,
         "unreadable": 0, "word_scan_only": 0})
