@@ -433,9 +433,11 @@ def find_subject(texts: list[str], wanted: set[str], hasher: Any, sanitizer: Any
         for i in range(len(words)):
             for n in range(1, min(SCAN_MAX_WORDS, len(words) - i) + 1):
                 candidate = " ".join(words[i:i + n])
-                for c in (candidate, candidate.strip(_EDGE_PUNCT)):
-                    if c and (h := hasher(c)) in wanted:
-                        return h, False
+                if (h := hasher(candidate)) in wanted:
+                    return h, False
+                stripped = candidate.strip(_EDGE_PUNCT)
+                if stripped and stripped != candidate and (h := hasher(stripped)) in wanted:
+                    return h, False
     if sanitizer is None:
         return None, False
     try:
