@@ -35,6 +35,8 @@ OPERATION_NAMES = {"chat.completions": "chat", "completions": "text_completion",
 # Request keys that are the observation's content, not its sampling parameters.
 CONTENT_KEYS = frozenset({"messages", "prompt", "input", "instructions", "tools", "tool_choice",
                           "model", "previous_response_id"})
+# Step metadata: the parts of the raw payload no sanitizer pass saw (erasure scans those).
+UNSCANNED_KEY = "steward.sanitizer.unscanned"
 INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 
@@ -753,6 +755,10 @@ class Exchange:
     stream_error: Any = None  # an error event inside a stream
     stream_meta: dict = field(default_factory=dict)
     routing: dict | None = None  # canary route / context updates applied (proxy/routing.py)
+    # Parts of the raw exchange the sanitizer never sees (a non-JSON request body, the rest of
+    # a long non-JSON error body, stream events that are not JSON): noted in the step's
+    # metadata as `steward.sanitizer.unscanned`, so erasure knows to scan the raw payload.
+    unscanned: list[str] = field(default_factory=list)
 
     @property
     def non_json_request(self) -> bool:
@@ -772,6 +778,8 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
                   response_status=response_status, is_stream=is_stream,
                   transport_error=dict(error) if isinstance(error, dict) else None,
                   routing=routing if isinstance(routing, dict) else None)
+    if ex.request is None and request_body:
+        ex.unscanned.append("request_body")
     transport_failed = bool(error) and error.get("kind") not in (None, "client_disconnected")
     succeeded = (response_status is not None and 200 <= response_status < 300
                  and not transport_failed)
@@ -783,6 +791,7 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
                                    f"({bad} undecodable)")
             if bad:
                 ex.stream_meta["steward.stream.undecodable_events"] = bad
+                ex.unscanned.append("response_body")
             ex.stream_meta["steward.stream.done"] = done
             if endpoint == "chat.completions":
                 ex.response, ex.stream_error = reassemble_chat_stream(events)
@@ -803,6 +812,8 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
             ex.error_body = body
         elif body is None:
             ex.error_text = response_body[:ERROR_TEXT_CHARS].decode("utf-8", errors="replace")
+            if len(response_body) > ERROR_TEXT_CHARS:
+                ex.unscanned.append("response_body")
         else:  # a JSON scalar: kept as text
             ex.error_text = str(body)[:ERROR_TEXT_CHARS]
     return ex
@@ -859,6 +870,8 @@ def fields_from_exchange(ex: Exchange, *, t_request: float | None = None,
         req = ex.request
         observation = observation_of(endpoint, req)
     metadata.update(ex.stream_meta)
+    if ex.unscanned:
+        metadata[UNSCANNED_KEY] = sorted(set(ex.unscanned))
 
     parsed: dict[str, Any] = {"action": {}, "hidden_state": {}, "tokens": {},
                               "finish_reasons": []}

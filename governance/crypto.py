@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -92,9 +93,20 @@ def unwrap_data_key(wrapped: bytes, aad: bytes) -> bytes:
 def subject_hash(tenant_id: int, subject: str) -> str:
     """Keyed hash of a data subject identifier, per tenant. Normalised (trimmed, casefolded) so
     `Alice@Example.com` and `alice@example.com ` are the same person."""
+    return subject_hasher(tenant_id)(subject)
+
+
+def subject_hasher(tenant_id: int) -> Callable[[str], str]:
+    """`subject_hash` for one tenant with the key derived once: for hashing many candidates
+    (erasure's scan of payloads that were never indexed)."""
     key = derive_key(master_key(), "subject-hash")
-    msg = f"{tenant_id}:{subject.strip().casefold()}".encode()
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+    prefix = f"{tenant_id}:"
+
+    def digest(subject: str) -> str:
+        msg = (prefix + subject.strip().casefold()).encode("utf-8", "backslashreplace")
+        return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+    return digest
 
 
 def token_hash(token: str) -> str:

@@ -19,25 +19,40 @@ off and nothing is counted twice:
    interaction with the reason "suppressed subject".
 2. spool: spool lines cannot be searched by subject (they are encrypted records, and only the
    sanitizer finds identifiers in free text), so the guarantee is drain-based: the task waits
-   (bounded, STEWARD_ERASURE_SPOOL_WAIT_S) until every segment of the local spool directory that
-   existed when the stage began is shipped and deleted. Whatever ships from them lands under
-   stage 1's suppression and is caught by stage 3. Spools of other hosts are not visible here;
-   the certificate says what was checked.
-3. delete, in bounded batches (BATCH_TRAJECTORIES per transaction): the trajectories found by
+   (bounded, STEWARD_ERASURE_SPOOL_WAIT_S) until every spool has shipped what it held when the
+   stage began. The spools are the ones the shippers report (SpoolState, one row per shipper:
+   `<host>:<dir>`) plus STEWARD_SPOOL_DIR. A spool on this host is checked on disk (each segment
+   shipped up to its size at the start); another host's is drained when its shipper finished a
+   pass that started after the stage began (`drained_through`). A spool still pending at the
+   deadline is named in the certificate and the request does not end `clean`. Whatever ships
+   lands under stage 1's suppression and is caught by stages 3 to 5.
+3. scan: payloads that were never indexed — interactions still `captured` or `quarantined` with
+   a readable raw payload, steps with `steward.sanitizer.unscanned` (a non-JSON body, say), and
+   the tenant's dead letters — are decrypted and searched: every run of up to SCAN_MAX_WORDS
+   words is hashed like a subject header, and the sanitizer's identifiers are hashed like the
+   subject index's. A match adds a subject-index row (entity type SCAN_ENTITY), so stage 4
+   deletes its trajectory; a matching dead letter is deleted here. A payload that does not
+   decrypt (not shredded: damaged, or another key) is counted and keeps the request from
+   ending `clean`. The scan is incremental (by id), and stage 6 scans what arrived since.
+4. delete, in bounded batches (BATCH_TRAJECTORIES per transaction): the trajectories found by
    Trajectory.subject_hash, Interaction.subject_hash (the X-Steward-Subject header) and the
    subject index (identifiers the sanitizer found: email, phone, name, ...). Per batch:
    checkpoints trained on them are marked `tainted`; unapproved (draft, pending) dataset versions
    lose them (content hash, size and sample recomputed); approved versions holding them are
    invalidated; then rewards (by trajectory id and by the steps' response ids, through
    `purge_allowed()`), findings, subject-index rows, steps, interactions with their raw payloads,
-   dataset memberships and the trajectories themselves are deleted.
-4. exports: files under VAR_DIR whose size and SHA-256 match an audited export
+   dataset memberships and the trajectories themselves are deleted; so are the subject's dead
+   letters (by the header hash).
+5. exports: files under VAR_DIR whose size and SHA-256 match an audited export
    (`dataset_version.exported`) of an affected dataset version are deleted.
-5. verify: the post-condition — no trajectory, interaction or subject-index row with any of the
-   hashes, no live data key. Rows that raced in meanwhile send the job back to stage 3 (at most
-   VERIFY_ROUNDS times); still not clean: failed.
+6. verify: scan what arrived since stage 3, then the post-condition — no trajectory,
+   interaction, subject-index row or dead letter with any of the hashes, no live data key. Rows
+   that raced in meanwhile send the job back to stage 4 (at most VERIFY_ROUNDS times). Clean
+   means that, every spool drained and every never-indexed payload scanned; otherwise the
+   request fails and the certificate says why (`post_condition.because`).
 
-The certificate: counts per kind, affected dataset versions and checkpoints, timestamps, the
+The certificate: counts per kind, affected dataset versions and checkpoints, the spools checked
+(drained, or pending by name), the scan of never-indexed payloads, timestamps, the
 post-condition result, the sanitizer version — and only the keyed hash of the subject.
 Every stage writes an audit event (ids and counts only).
 
@@ -51,12 +66,14 @@ import hashlib
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import orjson
 from celery import shared_task
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
@@ -71,7 +88,11 @@ from governance.models import (
     AuditEvent,
     DatasetVersion,
     DatasetVersionMember,
+    DeadLetter,
     ErasureRequest,
+    Interaction,
+    SpoolState,
+    SubjectIndex,
     SuppressedSubject,
     Tenant,
 )
@@ -86,10 +107,20 @@ BATCH_TRAJECTORIES = 200
 VERIFY_ROUNDS = 3
 HEARTBEAT_STALE_S = 120
 SPOOL_POLL_S = 0.25
-STAGES = ("suppress", "spool", "delete", "exports", "verify", "done")
+STAGES = ("suppress", "spool", "scan", "delete", "exports", "verify", "done")
 COUNT_KINDS = ("trajectories", "steps", "interactions", "raw_payloads", "findings",
                "subject_index", "rewards", "dataset_memberships", "data_keys_destroyed",
-               "suppressed_hashes", "exports_removed")
+               "suppressed_hashes", "exports_removed", "dead_letters")
+# A record appended this long before the spool stage began is on disk (the proxy's writer
+# fsyncs every 20 ms), so a shipper pass started after it ships it.
+SPOOL_GRACE_S = 1.0
+# The scan of never-indexed payloads: rows per batch, the longest run of words hashed (a
+# subject as given: "Jane Roe", "jane.roe@example.com", "+1 415 555 0100" ...), and the
+# subject-index entity type of what it finds.
+SCAN_BATCH = 50
+SCAN_MAX_WORDS = 6
+SCAN_ENTITY = "ERASURE_SCAN"
+_EDGE_PUNCT = ".,;:!?()[]{}<>\"'`*"
 # Identifier types of the subject index (governance.recognizers.IDENTIFIER_TYPES) under whose
 # normalisation a looked-up subject is hashed; the header hash (crypto.subject_hash of the
 # subject as given) is always included.
@@ -253,39 +284,261 @@ def _suppress(req: ErasureRequest) -> None:
 # stage 2 -------------------------------------------------------------------------------------
 
 
-def _segment_stems(spool_dir: Path) -> set[str]:
+def _local_sizes(spool_dir: Path) -> dict[str, int]:
+    """Each segment of a spool directory on this host -> its size now (what must ship)."""
     from proxy.spool import segments
 
-    return {p.name.rsplit(".", 1)[0] for p in segments(spool_dir)}
+    out: dict[str, int] = {}
+    for path in segments(spool_dir) if spool_dir.is_dir() else []:
+        try:
+            out[path.name] = path.stat().st_size
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def _local_pending(spool_dir: Path, sizes: dict[str, int]) -> int:
+    """Segments of the snapshot not yet shipped up to their size then (a segment renamed from
+    .open to .log keeps its offset file's stem; a deleted one is fully shipped)."""
+    from proxy.spool import read_offset
+
+    pending = 0
+    for name, size in sizes.items():
+        stem = name.rsplit(".", 1)[0]
+        current = [p for p in (spool_dir / f"{stem}.open", spool_dir / f"{stem}.log")
+                   if p.exists()]
+        if current and read_offset(current[0]) < size:
+            pending += 1
+    return pending
+
+
+def _spools_to_check() -> tuple[dict[str, Path], list[dict[str, Any]]]:
+    """(spools on this host by name -> directory, other hosts' SpoolState rows)."""
+    host = socket.gethostname()
+    local: dict[str, Path] = {}
+    configured = Path(settings.STEWARD_SPOOL_DIR)
+    local[f"{host}:{configured.resolve()}"] = configured
+    remote = []
+    for row in SpoolState.objects.order_by("name").values(
+            "name", "pending_segments", "drained_through", "updated_at"):
+        row_host, _, directory = row["name"].partition(":")
+        if row_host == host:
+            local.setdefault(row["name"], Path(directory))
+        else:
+            remote.append(row)
+    return local, remote
 
 
 def _spool(req: ErasureRequest) -> None:
-    spool_dir = Path(settings.STEWARD_SPOOL_DIR)
     wait_s = float(getattr(settings, "STEWARD_ERASURE_SPOOL_WAIT_S", 60))
     state = dict(req.progress.get("spool") or {})
-    if "waiting_for" not in state:
-        state = {"dir": spool_dir.name, "checked": spool_dir.is_dir(),
-                 "waiting_for": sorted(_segment_stems(spool_dir)) if spool_dir.is_dir() else []}
-    waiting = set(state["waiting_for"])
+    if "since" not in state:  # first attempt (a resumed one keeps its snapshot)
+        local, _ = _spools_to_check()
+        state = {"since": timezone.now().isoformat(),
+                 "local": {name: {"dir": str(d), "sizes": _local_sizes(d)}
+                           for name, d in local.items()}}
+    since = datetime.fromisoformat(state["since"]) + timedelta(seconds=SPOOL_GRACE_S)
     deadline = time.monotonic() + wait_s
-    while waiting:
-        waiting &= _segment_stems(spool_dir) if spool_dir.is_dir() else set()
+    while True:
+        report: list[dict[str, Any]] = []
+        for name, snap in sorted(state["local"].items()):
+            pending = _local_pending(Path(snap["dir"]), snap["sizes"])
+            report.append({"name": name, "checked": "on disk", "drained": not pending,
+                           "segments_at_start": len(snap["sizes"]),
+                           "segments_pending": pending})
+        _, remote = _spools_to_check()
+        for row in remote:
+            drained = row["drained_through"] is not None and row["drained_through"] >= since
+            report.append({"name": row["name"], "checked": "shipper report", "drained": drained,
+                           "segments_pending": 0 if drained else len(row["pending_segments"]),
+                           "last_report": row["updated_at"].isoformat()})
+        waiting = [r for r in report if not r["drained"]]
         if not waiting or time.monotonic() > deadline:
             break
         with tenant_context(req.tenant_id):  # heartbeat: the wait is not a crash
             ErasureRequest.objects.filter(pk=req.pk).update(heartbeat_at=timezone.now())
         time.sleep(SPOOL_POLL_S)
-    state.update(segments_at_start=len(state["waiting_for"]), segments_pending=len(waiting),
-                 drained=not waiting)
+    state.update(spools=report, drained=not waiting,
+                 pending=[r["name"] for r in waiting])
     req.progress["spool"] = state
     with tenant_context(req.tenant_id):
-        _save(req, "delete")
+        _save(req, "scan")
         record_event(ACTOR, "erasure.spool_checked", tenant=req.tenant_id,
                      object_type="erasure_request", object_id=req.pk,
-                     payload={k: v for k, v in state.items() if k != "waiting_for"})
+                     payload={"drained": state["drained"], "spools": len(report),
+                              "pending": len(waiting)})
 
 
 # stage 3 -------------------------------------------------------------------------------------
+
+
+def _strings(value: Any, out: list[str]) -> None:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _strings(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _strings(v, out)
+
+
+def _body_texts(data: bytes) -> list[str]:
+    """The text of a body as bytes, and, when it is JSON (or a stream of JSON events), every
+    string in it unescaped (a name written with \\u escapes is found too)."""
+    from governance.capture import iter_sse
+
+    out = [data.decode("utf-8", errors="replace")]
+    try:
+        _strings(orjson.loads(data), out)
+    except orjson.JSONDecodeError:
+        for _, payload in iter_sse(data):
+            try:
+                _strings(orjson.loads(payload), out)
+            except orjson.JSONDecodeError:
+                continue
+    return out
+
+
+def raw_texts(raw: dict[str, Any]) -> list[str]:
+    """Every text of a raw exchange (or a spool record): path, header values, bodies, error."""
+    from governance.rawstore import decode_body
+
+    texts: list[str] = []
+    for key in ("path", "session_id", "subject"):
+        if isinstance(raw.get(key), str):
+            texts.append(raw[key])
+    for key in ("request_headers", "response_headers"):
+        for pair in raw.get(key) or []:
+            if isinstance(pair, list | tuple) and len(pair) == 2:
+                texts.extend(str(v) for v in pair)
+    for key in ("request_body", "response_body"):
+        try:
+            data = decode_body(raw.get(key))
+        except (ValueError, TypeError):
+            data = str(raw.get(key) or "").encode()
+        if data:
+            texts.extend(_body_texts(data))
+    _strings(raw.get("error"), texts)
+    return texts
+
+
+def find_subject(texts: list[str], wanted: set[str], hasher: Any, sanitizer: Any
+                 ) -> tuple[str | None, bool]:
+    """(the lookup hash the texts contain, or None; whether the sanitizer ran). First every
+    run of 1..SCAN_MAX_WORDS words (also without edge punctuation), hashed as a subject header
+    is; then the identifiers the sanitizer finds, hashed as the subject index's are."""
+    for text in texts:
+        words = text.split()
+        for i in range(len(words)):
+            for n in range(1, min(SCAN_MAX_WORDS, len(words) - i) + 1):
+                candidate = " ".join(words[i:i + n])
+                if (h := hasher(candidate)) in wanted:
+                    return h, False
+                stripped = candidate.strip(_EDGE_PUNCT)
+                if stripped and stripped != candidate and (h := hasher(stripped)) in wanted:
+                    return h, False
+    if sanitizer is None:
+        return None, False
+    try:
+        results = sanitizer.sanitize_bodies([("request", t) for t in texts if t.strip()])
+    except Exception:  # the reason it was never indexed, maybe: the word scan stands
+        log.warning("erasure: the sanitizer failed on a never-indexed payload", exc_info=True)
+        return None, False
+    for result in results:
+        for _etype, value in result.identifiers:
+            if (h := hasher(value)) in wanted:
+                return h, True
+    return None, True
+
+
+def _never_indexed(tenant_id: int, after: int) -> list[Interaction]:
+    from governance.capture import UNSCANNED_KEY
+
+    return list(
+        Interaction.objects.for_tenant(tenant_id).select_related("data_key")
+        .filter(pk__gt=after, raw_ciphertext__isnull=False, data_key__isnull=False,
+                data_key__destroyed_at__isnull=True)
+        .filter(Q(state__in=[Interaction.State.CAPTURED, Interaction.State.QUARANTINED])
+                | Q(step__metadata__has_key=UNSCANNED_KEY))
+        .order_by("pk")[:SCAN_BATCH])
+
+
+def _scan(req: ErasureRequest) -> int:
+    """Scan never-indexed payloads newer than the last scanned (see the module docstring).
+    Returns how many matched. Decryption and the search run outside any transaction."""
+    from governance.crypto import subject_hasher
+    from governance.rawstore import RawPayloadUnavailable, open_dead_letter, open_raw
+    from governance.sanitizing import sanitizer_for_tenant
+
+    tenant_id = req.tenant_id
+    wanted = set(req.lookup_hashes)
+    hasher = subject_hasher(tenant_id)
+    with tenant_context(tenant_id):
+        tenant = Tenant.objects.get(pk=tenant_id)
+    sanitizer = sanitizer_for_tenant(tenant)  # may load spaCy: outside the transaction
+    scan = req.progress.setdefault("scan", {
+        "after_interaction": 0, "after_dead_letter": 0, "scanned": 0, "matched": 0,
+        "unreadable": 0, "word_scan_only": 0})
+    matched_total = 0
+    for kind in ("interaction", "dead_letter"):
+        while True:
+            after = scan[f"after_{kind}"]
+            with tenant_context(tenant_id):
+                if kind == "interaction":
+                    rows: list[Any] = _never_indexed(tenant_id, after)
+                else:
+                    rows = list(DeadLetter.objects.for_tenant(tenant_id).select_related(
+                        "data_key").filter(pk__gt=after, record_ciphertext__isnull=False)
+                        .order_by("pk")[:SCAN_BATCH])
+            if not rows:
+                break
+            hits: list[tuple[Any, str]] = []
+            for row in rows:
+                try:
+                    raw = open_raw(row) if kind == "interaction" else open_dead_letter(row)
+                except RawPayloadUnavailable:
+                    continue  # shredded: nobody can read it any more
+                except Exception:
+                    scan["unreadable"] += 1
+                    log.error("erasure: request %s: %s %s does not decrypt", req.pk, kind,
+                              row.pk)
+                    continue
+                scan["scanned"] += 1
+                found, sanitized = find_subject(raw_texts(raw), wanted, hasher, sanitizer)
+                if found is None and not sanitized:
+                    scan["word_scan_only"] += 1
+                if found is not None:
+                    hits.append((row, found))
+            with tenant_context(tenant_id):
+                if kind == "interaction":
+                    SubjectIndex.objects.bulk_create([SubjectIndex(
+                        tenant_id=tenant_id, trajectory_id=ia.trajectory_id, interaction=ia,
+                        entity_type=SCAN_ENTITY, hash=h) for ia, h in hits],
+                        ignore_conflicts=True)
+                else:
+                    deleted = DeadLetter.objects.for_tenant(tenant_id).filter(
+                        pk__in=[d.pk for d, _ in hits]).delete()[0]
+                    _add(req, {"dead_letters": deleted})
+                scan[f"after_{kind}"] = rows[-1].pk
+                scan["matched"] += len(hits)
+                req.progress["scan"] = scan
+                _save(req)
+            matched_total += len(hits)
+    return matched_total
+
+
+def _scan_stage(req: ErasureRequest) -> None:
+    matched = _scan(req)
+    with tenant_context(req.tenant_id):
+        _save(req, "delete")
+        record_event(ACTOR, "erasure.scanned", tenant=req.tenant_id,
+                     object_type="erasure_request", object_id=req.pk,
+                     payload={**{k: v for k, v in req.progress.get("scan", {}).items()
+                                 if not k.startswith("after_")}, "matched_now": matched})
+
+
+# stage 4 -------------------------------------------------------------------------------------
 
 
 def _find_trajectories(cursor: Any, tenant_id: int, hashes: list[str], limit: int) -> list[str]:
@@ -340,6 +593,19 @@ def _recompute_hashes(version_ids: list[int]) -> None:
         version.content_hash, version.step_count = version_content_hash(version)
         version.size = version.members.count()
         version.save(update_fields=["content_hash", "step_count", "size", "sample_ids"])
+
+
+def _delete_dead_letters(req: ErasureRequest) -> None:
+    """The subject's dead letters by the header hash (the scan took those found by content)."""
+    with tenant_context(req.tenant_id):
+        deleted = DeadLetter.objects.for_tenant(req.tenant_id).filter(
+            subject_hash__in=[h for h in req.lookup_hashes if h]).delete()[0]
+        if deleted:
+            _add(req, {"dead_letters": deleted})
+            _save(req)
+            record_event(ACTOR, "erasure.dead_letters_deleted", tenant=req.tenant_id,
+                         object_type="erasure_request", object_id=req.pk,
+                         payload={"dead_letters": deleted})
 
 
 def _delete_batch(req: ErasureRequest) -> bool:
@@ -424,7 +690,7 @@ def mark_checkpoints_tainted(actor: Any, tenant_id: int, trajectory_ids: list[st
     return taint(actor, tenant_id, trajectory_ids, reason)
 
 
-# stage 4 -------------------------------------------------------------------------------------
+# stage 5 -------------------------------------------------------------------------------------
 
 
 def _sha256(path: Path) -> str:
@@ -474,7 +740,7 @@ def _exports(req: ErasureRequest) -> None:
                      payload={"removed": removed, "dataset_versions": versions})
 
 
-# stage 5 -------------------------------------------------------------------------------------
+# stage 6 -------------------------------------------------------------------------------------
 
 
 def post_condition(tenant_id: int, hashes: list[str]) -> dict[str, int]:
@@ -489,26 +755,46 @@ def post_condition(tenant_id: int, hashes: list[str]) -> dict[str, int]:
             "WHERE tenant_id = %s AND hash = ANY(%s::text[])), "
             f"(SELECT count(*) FROM {_table('DataKey')} WHERE tenant_id = %s "
             "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
-            "AND wrapped_key IS NOT NULL)",
-            [tenant_id, hashes] * 4)
-        t, i, s, k = cursor.fetchone()
-    return {"trajectories": t, "interactions": i, "subject_index": s, "live_data_keys": k}
+            "AND wrapped_key IS NOT NULL), "
+            f"(SELECT count(*) FROM {_table('DeadLetter')} "
+            "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> '')",
+            [tenant_id, hashes] * 5)
+        t, i, s, k, d = cursor.fetchone()
+    return {"trajectories": t, "interactions": i, "subject_index": s, "live_data_keys": k,
+            "dead_letters": d}
 
 
 def _verify(req: ErasureRequest) -> bool:
     """True when clean (the certificate is written); False: back to stage 3."""
     from governance.sanitizer import SANITIZER_VERSION
 
+    _scan(req)  # what arrived since the scan stage (its matches show up below)
     left = post_condition(req.tenant_id, list(req.lookup_hashes))
     rounds = req.progress.get("verify_rounds", 0) + 1
     req.progress["verify_rounds"] = rounds
-    clean = not any(left.values())
+    rows_left = any(left.values())
     with tenant_context(req.tenant_id):
-        if not clean and rounds < VERIFY_ROUNDS:
+        if rows_left and rounds < VERIFY_ROUNDS:
             _save(req, "delete")
             record_event(ACTOR, "erasure.recheck", tenant=req.tenant_id,
                          object_type="erasure_request", object_id=req.pk, payload=left)
             return False
+        spool = req.progress.get("spool") or {}
+        scan = req.progress.get("scan") or {}
+        # `clean` is a promise about every copy: not made while a spool may still ship data
+        # from before the erasure, nor while a never-indexed payload could not be read.
+        because = []
+        if rows_left:
+            because.append("data of the subject is still present")
+        if not spool.get("drained", False):
+            because.append("spool not drained: " + ", ".join(spool.get("pending") or ["?"]))
+        if scan.get("unreadable"):
+            because.append(f"{scan['unreadable']} never-indexed payload(s) could not be "
+                           "decrypted to be scanned")
+        clean = not because
+        post = {"clean": clean, "remaining": left}
+        if because:
+            post["because"] = because
         now = timezone.now()
         req.refresh_from_db(fields=["created_at", "started_at"])
         certificate = {
@@ -520,9 +806,10 @@ def _verify(req: ErasureRequest) -> bool:
             "dataset_versions_invalidated": req.progress.get("dataset_versions_invalidated", []),
             "dataset_versions_changed": req.progress.get("dataset_versions_changed", []),
             "checkpoints_tainted": req.progress.get("checkpoints_tainted", []),
-            "spool": {k: v for k, v in (req.progress.get("spool") or {}).items()
-                      if k != "waiting_for"},
-            "post_condition": {"clean": clean, "remaining": left},
+            "spool": {"drained": bool(spool.get("drained")), "since": spool.get("since"),
+                      "spools": spool.get("spools", []), "pending": spool.get("pending", [])},
+            "unindexed_scan": {k: v for k, v in scan.items() if not k.startswith("after_")},
+            "post_condition": post,
             "requested_at": req.created_at.isoformat(),
             "started_at": req.started_at.isoformat() if req.started_at else None,
             "finished_at": now.isoformat(),
@@ -533,7 +820,7 @@ def _verify(req: ErasureRequest) -> bool:
         ErasureRequest.objects.filter(pk=req.pk).update(
             status=status, stage="done", progress=req.progress, certificate=certificate,
             finished_at=now, heartbeat_at=now,
-            error="" if clean else "post-condition: data of the subject is still present")
+            error="" if clean else ("not clean: " + "; ".join(because))[:2000])
         record_event(ACTOR, "erasure.completed" if clean else "erasure.failed",
                      tenant=req.tenant_id, object_type="erasure_request", object_id=req.pk,
                      payload={"counts": certificate["counts"], "post_condition": left,
@@ -550,7 +837,10 @@ def run_erasure(req: ErasureRequest) -> None:
             _suppress(req)
         elif stage == "spool":
             _spool(req)
+        elif stage == "scan":
+            _scan_stage(req)
         elif stage == "delete":
+            _delete_dead_letters(req)
             while _delete_batch(req):
                 pass
             with tenant_context(req.tenant_id):

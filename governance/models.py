@@ -680,3 +680,50 @@ class PolicyRoute(models.Model):
             models.CheckConstraint(condition=models.Q(share__gte=0) & models.Q(share__lte=1),
                                    name="policyroute_share_range"),
         ]
+
+
+class DeadLetter(models.Model):
+    """A spool record of this tenant the shipper could not store as an Interaction even after
+    making its text storable (proxy/shipper.py): the database refused it, or its step id is
+    another flow's. Kept so nothing accepted is lost, and so shipping goes on past it. The
+    record is sealed like a raw payload, under its subject's (or the tenant's) data key with
+    the tenant and flow id as associated data; erasure deletes a subject's dead letters and
+    destroying the key shreds them. Records with no usable tenant stay in the spool's
+    dead-letter file (operators only)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="dead_letters")
+    flow_id = models.CharField(max_length=64)
+    # As the record claims them; no foreign keys (the point is that something did not fit).
+    agent_ref = models.BigIntegerField(null=True, blank=True)
+    trajectory_ref = models.CharField(max_length=64, blank=True, default="")
+    subject_hash = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    reason = models.TextField()
+    segment = models.CharField(max_length=128, blank=True, default="")
+    data_key = models.ForeignKey(DataKey, null=True, on_delete=models.SET_NULL,
+                                 related_name="dead_letters")
+    record_ciphertext = models.BinaryField(null=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            # The shipper is at-least-once for dead letters: a re-read writes nothing twice.
+            models.UniqueConstraint(fields=["tenant", "flow_id"], name="deadletter_tenant_flow"),
+        ]
+
+
+class SpoolState(models.Model):
+    """What one shipper last saw in the spool directory it ships (proxy/shipper.py writes it
+    every round): the segments not yet fully shipped. Erasure (governance/erasure.py) reads
+    every row to wait for, or name, each spool still holding unshipped data. Not tenant data:
+    segment names and counts only."""
+
+    name = models.CharField(max_length=512, unique=True)  # "<host>:<absolute spool dir>"
+    pending_segments = models.JSONField(default=list)
+    pending_bytes = models.BigIntegerField(default=0)
+    # The start of the shipper's last complete pass: every record the spool held then is
+    # shipped (or dead-lettered).
+    drained_through = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField()

@@ -97,6 +97,25 @@ def seal_raw(plain_key: bytes, flow_id: str, plaintext: bytes) -> bytes:
     return seal(plain_key, plaintext, raw_aad(flow_id))
 
 
+def dead_letter_aad(tenant_id: int, flow_id: str) -> bytes:
+    return f"steward-deadletter-v1:{tenant_id}:{flow_id}".encode()
+
+
+def seal_dead_letter(plain_key: bytes, tenant_id: int, flow_id: str, record_json: bytes) -> bytes:
+    """A dead-lettered spool record (governance.models.DeadLetter), sealed like a raw payload
+    under its subject's data key; the tenant and flow id bind it to its row."""
+    return seal(plain_key, record_json, dead_letter_aad(tenant_id, flow_id))
+
+
+def open_dead_letter(dead_letter: Any) -> dict[str, Any]:
+    """The spool record of a DeadLetter row (callers showing it to a person audit the read)."""
+    if dead_letter.record_ciphertext is None or dead_letter.data_key is None:
+        raise RawPayloadUnavailable("no record stored (expired, purged or subject erased)")
+    plain_key = unwrap(dead_letter.data_key)
+    return orjson.loads(open_sealed(plain_key, bytes(dead_letter.record_ciphertext),
+                                    dead_letter_aad(dead_letter.tenant_id, dead_letter.flow_id)))
+
+
 def open_raw(interaction: Interaction) -> dict[str, Any]:
     """Decrypt an interaction's raw payload. Callers that show it to a person must audit the
     read (governance.audit.record_event "raw.read"); the step builder reads it as the system."""

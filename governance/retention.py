@@ -9,6 +9,8 @@ defaults when a tenant has no policy:
   trajectory left with neither is deleted with the rewards naming it (append-only rows,
   deleted under services.purge_allowed());
 - findings: 365 days (enforced once PII findings are stored: no such table yet);
+- dead letters: the sealed record like a raw payload, the row like an interaction that never
+  became a step;
 - audit: 3650 days — reported, never purged. Deleting audit rows would cut the hash chain, and
   its payloads hold pseudonymous ids only, so keeping them keeps no personal data.
 
@@ -37,6 +39,7 @@ from django.utils import timezone
 from governance.atdp import CLASSIFICATION_ORDER
 from governance.audit import record_event
 from governance.models import (
+    DeadLetter,
     Interaction,
     RetentionPolicy,
     Reward,
@@ -112,7 +115,7 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
     from governance.services import invalidate_versions_containing, purge_allowed
 
     counts = {"raw_payloads": 0, "steps": 0, "interactions": 0, "trajectories": 0,
-              "rewards": 0, "invalidated_versions": 0}
+              "rewards": 0, "invalidated_versions": 0, "dead_letters": 0}
     default = policies[RetentionPolicy.ANY]
     internal = policies["internal"]
     # One transaction per batch, under the tenant's row-level security scope.
@@ -156,6 +159,22 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
                           .order_by("started_at").values_list("pk", flat=True)[:batch_size])
         if orphan_ids:
             counts["interactions"] += Interaction.objects.filter(pk__in=orphan_ids).delete()[0]
+
+        # Dead letters (records the shipper could not store, proxy/shipper.py): their sealed
+        # record goes when a raw payload would, the row with the unlabelled interactions.
+        dead_raw = list(DeadLetter.objects.for_tenant(tenant_id)
+                        .filter(record_ciphertext__isnull=False)
+                        .filter(Q(expires_at__lte=now) | Q(
+                            created_at__lt=now - timedelta(days=internal.raw_days)))
+                        .order_by("created_at").values_list("pk", flat=True)[:batch_size])
+        if dead_raw:
+            counts["raw_payloads"] += DeadLetter.objects.filter(pk__in=dead_raw).update(
+                record_ciphertext=None)
+        dead_rows = list(DeadLetter.objects.for_tenant(tenant_id)
+                         .filter(created_at__lt=now - timedelta(days=internal.steps_days))
+                         .order_by("created_at").values_list("pk", flat=True)[:batch_size])
+        if dead_rows:
+            counts["dead_letters"] = DeadLetter.objects.filter(pk__in=dead_rows).delete()[0]
 
         # Trajectories with nothing left, and the rewards naming them.
         empty = list(Trajectory.objects.for_tenant(tenant_id)

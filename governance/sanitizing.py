@@ -81,6 +81,79 @@ def strip_binary(node: Any, path: str = "$", removed: list[str] | None = None) -
     return removed
 
 
+# --- long texts: NER in chunks -----------------------------------------------------------------
+
+# spaCy refuses a text longer than `nlp.max_length` (1,000,000 characters) outright; such an
+# exchange used to be quarantined unsanitized and, never indexed, invisible to erasure. A longer
+# text is cut into pieces of at most this many characters (or max_length, if smaller), at a
+# paragraph, line, sentence or word break near the end of each piece, and the pieces' entities
+# are put back at their offsets in the whole text. Regex recognizers still see the whole text.
+NER_CHUNK_CHARS = 100_000
+# How far back from a piece's end a break is looked for (a name cut in two would be missed).
+CHUNK_BREAK_WINDOW = 2_000
+_BREAKS = ("\n\n", "\n", ". ", " ")
+
+
+def chunk_bounds(text: str, size: int) -> list[tuple[int, int]]:
+    """(start, end) of consecutive pieces covering `text`, each at most `size` characters,
+    each ending after a break where one is near."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    while len(text) - start > size:
+        end = start + size
+        window = max(start + 1, end - min(CHUNK_BREAK_WINDOW, size // 2))
+        for sep in _BREAKS:
+            cut = text.rfind(sep, window, end)
+            if cut != -1:
+                end = cut + len(sep)
+                break
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, len(text)))
+    return bounds
+
+
+class LongTextNlp:
+    """A spaCy pipeline that also takes texts over its `max_length`: those are run piece by
+    piece (chunk_bounds) and the pieces joined back into one Doc (`Doc.from_docs`), whose text
+    is the original and whose entities have their offsets in it. Shorter texts go through
+    unchanged; every other attribute is the wrapped pipeline's."""
+
+    def __init__(self, nlp: Any, chunk_chars: int = NER_CHUNK_CHARS) -> None:
+        self._nlp = nlp
+        self._chunk_chars = chunk_chars
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nlp, name)
+
+    def _size(self) -> int:
+        return max(1, min(self._chunk_chars, self._nlp.max_length))
+
+    def pipe(self, texts: Any, **kwargs: Any) -> Any:
+        from spacy.tokens import Doc
+
+        texts = list(texts)
+        limit = self._nlp.max_length
+        pieces: list[str] = []
+        owners: list[list[int]] = []  # per text, the indexes of its pieces
+        for text in texts:
+            bounds = [(0, len(text))] if len(text) <= limit else chunk_bounds(text, self._size())
+            owners.append(list(range(len(pieces), len(pieces) + len(bounds))))
+            pieces.extend(text[a:b] for a, b in bounds)
+        docs = list(self._nlp.pipe(pieces, **kwargs))
+        for text, mine in zip(texts, owners, strict=True):
+            if len(mine) == 1:
+                yield docs[mine[0]]
+                continue
+            doc = Doc.from_docs([docs[i] for i in mine], ensure_whitespace=False)
+            if doc.text != text:  # never silently sanitize a different text
+                raise ValueError("chunked NER did not reassemble the text")
+            yield doc
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        return next(iter(self.pipe([text], **kwargs)))
+
+
 # --- the sanitizer of each tenant, once per process ------------------------------------------
 
 _lock = threading.Lock()
@@ -97,6 +170,8 @@ def sanitizer_for_tenant(tenant: Any) -> Sanitizer:
         if cached is not None and cached[0] == stored:
             return cached[1]
     sanitizer = get_sanitizer().with_policy(policy_for_tenant(tenant))
+    if not isinstance(sanitizer.nlp, LongTextNlp):
+        sanitizer.nlp = LongTextNlp(sanitizer.nlp)
     with _lock:
         _tenant_sanitizers[tenant.pk] = (stored, sanitizer)
     return sanitizer

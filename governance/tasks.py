@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_init
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
 from governance.audit import record_event
@@ -162,6 +163,63 @@ def _sanitize(tenant: Tenant, batch: list[tuple[Interaction, Exchange]],
     return ok, failed
 
 
+@dataclass
+class _StepWrite:
+    """The rows one built interaction adds: its step (None when it exists already), findings
+    and subject-index rows."""
+
+    interaction: Interaction
+    step: Step | None = None
+    findings: list[Finding] = field(default_factory=list)
+    index_rows: list[SubjectIndex] = field(default_factory=list)
+
+
+def _write(writes: list[_StepWrite]) -> None:
+    Step.objects.bulk_create([w.step for w in writes if w.step is not None])
+    Finding.objects.bulk_create([f for w in writes for f in w.findings], batch_size=1000)
+    SubjectIndex.objects.bulk_create([r for w in writes for r in w.index_rows],
+                                     batch_size=1000, ignore_conflicts=True)
+    Interaction.objects.filter(pk__in=[w.interaction.pk for w in writes]).update(
+        state=Interaction.State.PROCESSED, state_reason="")
+
+
+def _store_steps(writes: list[_StepWrite]
+                 ) -> tuple[list[_StepWrite], list[tuple[Interaction, str]]]:
+    """Write the batch's steps in one savepoint; when PostgreSQL refuses it (a value it cannot
+    store, e.g. `\\u0000` in JSON content, which jsonb rejects), write them one by one, each in
+    its own savepoint, so only the interactions the database refuses are quarantined and their
+    neighbours are built. Without this the whole batch rolled back, the beat sweep re-queued
+    it every minute, and coalescing dragged the poison interaction into every later batch of
+    the tenant, so none of them was ever built. A lost connection is not the payload's fault:
+    it propagates and the task retries."""
+    if not writes:
+        return [], []
+    try:
+        with transaction.atomic():
+            _write(writes)
+        return writes, []
+    except (OperationalError, InterfaceError):
+        raise
+    except (DatabaseError, ValueError) as exc:
+        log.error("capture: the database refused a batch of %d steps (%s); storing them one "
+                  "by one", len(writes), type(exc).__name__)
+    stored: list[_StepWrite] = []
+    refused: list[tuple[Interaction, str]] = []
+    for write in writes:
+        try:
+            with transaction.atomic():
+                _write([write])
+            stored.append(write)
+        except (OperationalError, InterfaceError):
+            raise
+        except (DatabaseError, ValueError) as exc:
+            # The class and SQLSTATE only: a database message can quote the value.
+            code = getattr(getattr(exc, "__cause__", None), "sqlstate", None) or ""
+            refused.append((write.interaction, "step not stored: the database refused it ("
+                            f"{type(exc).__name__}{' ' + code if code else ''})"))
+    return stored, refused
+
+
 def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 coalesce: bool = True) -> dict[str, list[int]]:
     """Build the steps of these interactions of one tenant (see the module docstring). Runs
@@ -223,9 +281,9 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                                                     for _, v in r.identifiers}
                         for ia, r in sanitized}
         suppressed = suppressed_hashes(tenant_id, set().union(*ident_hashes.values()))
-        steps: list[Step] = []
-        findings: list[Finding] = []
-        built: list[int] = []
+        # What each built interaction writes; stored together, or one by one when the
+        # database refuses the batch (see _store_steps).
+        writes: list[_StepWrite] = []
         for ia, result in sanitized:
             if ident_hashes[ia.pk] & suppressed:
                 quarantine(ia, SUPPRESSED_REASON, index=False)
@@ -243,10 +301,11 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 log.exception("capture: step fields failed on interaction %s", ia.pk)
                 quarantine(ia, f"capture failed: {type(exc).__name__}")
                 continue
-            built.append(ia.pk)
+            write = _StepWrite(ia)
+            writes.append(write)
             if ia.step_id in existing:
                 continue  # built before under this id (kept as it is: steps are immutable)
-            steps.append(Step(
+            write.step = Step(
                 id=ia.step_id, tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
                 interaction=ia, endpoint=ia.endpoint, started_at=ia.started_at,
                 ended_at=ia.ended_at, status_code=ia.status_code,
@@ -254,9 +313,9 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 sanitizer_version=SANITIZER_VERSION,
                 training_eligible=ia.consent == Consent.TRAIN and fields["error"] is None,
                 **fields,
-            ))
+            )
             for f in result.findings:
-                findings.append(Finding(
+                write.findings.append(Finding(
                     tenant_id=ia.tenant_id, step_id=ia.step_id, interaction=ia,
                     side=f["side"], entity_type=f["entity_type"][:32],
                     path=str(f.get("path") or "$")[:512],
@@ -267,19 +326,19 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                     sanitizer_version=SANITIZER_VERSION))
             hashes = {(etype, subject_hash(ia.tenant_id, value))
                       for etype, value in result.identifiers}
-            index_rows.extend(SubjectIndex(
+            write.index_rows.extend(SubjectIndex(
                 tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id, step_id=ia.step_id,
                 interaction=ia, entity_type=etype[:32], hash=h) for etype, h in sorted(hashes))
             row = _header_row(ia, ia.step_id)
             if row is not None:
-                index_rows.append(row)
+                write.index_rows.append(row)
 
-        Step.objects.bulk_create(steps)
-        Finding.objects.bulk_create(findings, batch_size=1000)
+        stored, refused = _store_steps(writes)
+        for ia, reason in refused:
+            quarantine(ia, reason)
+        built = [w.interaction.pk for w in stored]
+        findings = [f for w in stored for f in w.findings]
         SubjectIndex.objects.bulk_create(index_rows, batch_size=1000, ignore_conflicts=True)
-        if built:
-            Interaction.objects.filter(pk__in=built).update(
-                state=Interaction.State.PROCESSED, state_reason="")
         for tid, traj in trajectories.items():
             new_state = states[tid].to_json()
             if new_state != (traj.sanitizer_state or {}):

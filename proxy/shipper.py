@@ -15,10 +15,25 @@ its own tenant scope (governance.tenancy.tenant_context) inside the batch's one 
 Newly inserted interactions are handed to Celery (`governance.tasks.build_steps`) on commit; a
 lost message is picked up by the beat task `build_pending_steps`.
 
-Nothing is dropped silently: a line that does not decrypt, or a record that cannot be attributed
-to a tenant and agent, goes to `<spool>/dead-letter.jsonl.enc` (lines encrypted with the spool
-key, same format as segments) and is logged with its flow id; a record that can be attributed
-but is malformed is stored as a `quarantined` Interaction (never training-eligible).
+Nothing is dropped silently, and no record stops the shipper (a poison pill would otherwise
+crash it on every restart, on the same record):
+- text PostgreSQL cannot hold (U+0000; a lone surrogate) is written escaped in the metadata
+  columns (`storable_text`); the exact bytes stay in the sealed raw payload, so such a record is
+  stored like any other;
+- a batch the database still refuses is stored record by record, each in its own transaction;
+  a record refused alone becomes a `DeadLetter` row of its tenant (sealed like a raw payload,
+  listed on the console's overview, deleted by erasure), as does a record whose step id is
+  another flow's;
+- a line that does not decrypt, or a record that cannot be attributed to a tenant and agent (or
+  names another tenant's trajectory), goes to `<spool>/dead-letter.jsonl.enc` (lines encrypted
+  with the spool key, same format as segments; operators only) and is logged with its flow id;
+- a record that can be attributed but is malformed is stored as a `quarantined` Interaction
+  (never training-eligible).
+Shipping then goes on past all of them.
+
+After each pass the shipper records in `SpoolState` the segments it has not finished and the
+start of its last complete pass (`drained_through`): erasure waits for, or names, every spool
+that still holds data from before the erasure began.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import defaultdict
@@ -35,8 +51,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import orjson
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    transaction,
+)
 from django.db.models import F
 from django.db.models.functions import Greatest, Least
 from django.utils import timezone
@@ -46,13 +69,14 @@ from governance.capture import ENDPOINTS
 from governance.crypto import master_key as configured_master_key
 from governance.crypto import subject_hash as keyed_subject_hash
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
-from governance.models import Agent, Consent, Interaction, Trajectory
+from governance.models import Agent, Consent, DeadLetter, Interaction, SpoolState, Trajectory
 from governance.rawstore import (
     data_keys_for,
     decode_body,
     insert_ignore_conflicts,
     key_is_destroyed,
     raw_plaintext,
+    seal_dead_letter,
     seal_raw,
     unwrap,
 )
@@ -64,6 +88,7 @@ from proxy.spool import (
     encode_line,
     finish_segment_if_done,
     read_batches,
+    segments,
     spool_key,
 )
 
@@ -75,6 +100,10 @@ DEAD_LETTER_NAME = "dead-letter.jsonl.enc"
 QUARANTINE_NAMESPACE = uuid.UUID("0b8f3c52-7d4e-4f0e-9c55-0d6f1a2b3c4d")
 ENQUEUE_CHUNK = 100
 MAX_BACKOFF_S = 5.0
+# SpoolState is rewritten at least this often while nothing changes (erasure's liveness view).
+SPOOL_STATE_EVERY_S = 2.0
+# Dead-letter entries bound for the tenant's DeadLetter table carry this key (not stored).
+TO_TABLE = "_tenant_table"
 
 Enqueue = Callable[[list[int]], None]
 
@@ -132,6 +161,26 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def storable_text(value: Any, limit: int | None = None) -> str:
+    """`value` as text PostgreSQL can store: U+0000 (which a text column cannot hold) written as
+    the escape `\\x00`, a lone surrogate (which psycopg cannot encode) as `\\udcXX`, then cut
+    to `limit` characters. Only for metadata columns: the exact record is in the sealed raw
+    payload."""
+    text = value if isinstance(value, str) else str(value)
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text[:limit] if limit is not None else text
+
+
+def _sqlstate(exc: BaseException) -> str:
+    """The SQLSTATE of a database error (psycopg's, under Django's wrapper), or ""."""
+    return getattr(exc.__cause__, "sqlstate", None) or getattr(exc, "sqlstate", None) or ""
+
+
 @dataclass
 class _Prepared:
     record: dict
@@ -154,13 +203,20 @@ class Shipper:
         self.enqueue = enqueue
         self.max_records = max_records
         self.dead_letter_path = self.spool_dir / DEAD_LETTER_NAME
+        # How erasure names this spool (governance/erasure.py reads SpoolState).
+        self.spool_name = f"{socket.gethostname()}:{self.spool_dir.resolve()}"[:512]
+        self._last_state: tuple[list[str] | None, float] = (None, 0.0)
 
     # -- one pass over the spool ---------------------------------------------------------
     def ship_once(self) -> ShipCounts:
         """Ship every complete record currently in the spool. A database error propagates
         (after logging what was waiting) with the offset of the failed batch untouched."""
         total = ShipCounts()
+        # Everything fsynced before this instant is in a complete line that this pass ships
+        # (or dead-letters): the pass, once complete, drains the spool up to here.
+        started = timezone.now()
         if not self.spool_dir.exists():
+            self._record_spool_state(started)
             return total
         for batch in read_batches(self.spool_dir, self.master_key, self.max_records):
             try:
@@ -175,6 +231,7 @@ class Shipper:
                     total.inserted, str(exc).strip().splitlines()[0] if str(exc) else exc)
                 raise
             total.add(counts)
+        self._record_spool_state(started)
         return total
 
     def ship_batch(self, batch: SegmentBatch) -> ShipCounts:
@@ -182,23 +239,29 @@ class Shipper:
         dead: list[dict] = []
         if batch.bad_lines:
             dead.extend(self._undecodable_lines(batch))
-        new_ids: list[int] = []
         if batch.records:
-            with transaction.atomic():
-                new_ids, quarantined, duplicates, batch_dead = self._insert(batch)
-                counts.inserted = len(new_ids) + quarantined
-                counts.quarantined = quarantined
-                counts.duplicates = duplicates
-                dead.extend(batch_dead)
-                if new_ids and self.enqueue is not None:
-                    ids, enqueue = list(new_ids), self.enqueue
-                    # robust: a broker outage must not undo a committed batch; the beat task
-                    # build_pending_steps picks the interactions up later.
-                    transaction.on_commit(lambda: enqueue(ids), robust=True)
+            try:
+                stored = self._store(batch.records, batch.segment.name)
+            except (OperationalError, InterfaceError):
+                raise
+            except (DatabaseError, ValueError) as exc:
+                # One record the database refuses (or psycopg cannot encode) must not hold
+                # back the others, nor crash the shipper on every restart: one by one.
+                log.error("shipper: %s bytes %d-%d: the database refused the batch (%s %s); "
+                          "storing its %d records one by one", batch.segment.name,
+                          batch.start, batch.end, type(exc).__name__, _sqlstate(exc),
+                          len(batch.records))
+                stored = self._store_one_by_one(batch.records, batch.segment.name)
+            new_ids, quarantined, duplicates, batch_dead = stored
+            counts.inserted = len(new_ids) + quarantined
+            counts.quarantined = quarantined
+            counts.duplicates = duplicates
+            dead.extend(batch_dead)
         # Dead letters are written after COMMIT and before the offset: a crash in between
-        # writes them again (at-least-once, deduplicate by flow id), never loses them.
+        # writes them again (at-least-once: the table ignores a flow it has, the file is
+        # deduplicated by flow id by whoever reads it), never loses them.
         if dead:
-            self._write_dead_letters(dead)
+            self._write_dead_letters(dead, batch.segment.name)
             counts.dead_lettered = len(dead)
         commit_offset(batch.segment, batch.end)
         if finish_segment_if_done(batch.segment):
@@ -209,6 +272,88 @@ class Shipper:
                      batch.end, counts.records, counts.inserted, counts.duplicates,
                      counts.quarantined, counts.dead_lettered, counts.bad_lines)
         return counts
+
+    def _store(self, records: list[Any], segment: str
+               ) -> tuple[list[int], int, int, list[dict]]:
+        """Insert records in one transaction; their step building is queued on commit."""
+        with transaction.atomic():
+            new_ids, quarantined, duplicates, dead = self._insert(records, segment)
+            if new_ids and self.enqueue is not None:
+                ids, enqueue = list(new_ids), self.enqueue
+                # robust: a broker outage must not undo a committed batch; the beat task
+                # build_pending_steps picks the interactions up later.
+                transaction.on_commit(lambda: enqueue(ids), robust=True)
+        return new_ids, quarantined, duplicates, dead
+
+    def _store_one_by_one(self, records: list[Any], segment: str
+                          ) -> tuple[list[int], int, int, list[dict]]:
+        new_ids: list[int] = []
+        quarantined = duplicates = 0
+        dead: list[dict] = []
+        for rec in records:
+            try:
+                ids, n_quarantined, n_duplicates, rec_dead = self._store([rec], segment)
+            except (OperationalError, InterfaceError):
+                raise
+            except (DatabaseError, ValueError) as exc:
+                # The class and SQLSTATE only: a database message can quote the value.
+                reason = (f"the database refused the record ({type(exc).__name__}"
+                          f"{' ' + _sqlstate(exc) if _sqlstate(exc) else ''})")
+                entry = {"reason": reason, "record": rec}
+                if self._attributable(rec):
+                    entry[TO_TABLE] = True
+                dead.append(entry)
+                log.error("shipper: dead-lettered flow %s (tenant %s): %s",
+                          storable_text(rec.get("flow_id") if isinstance(rec, dict) else "?",
+                                        64),
+                          rec.get("tenant_id") if isinstance(rec, dict) else "?", reason)
+                continue
+            new_ids.extend(ids)
+            quarantined += n_quarantined
+            duplicates += n_duplicates
+            dead.extend(rec_dead)
+        return sorted(new_ids), quarantined, duplicates, dead
+
+    @staticmethod
+    def _attributable(rec: Any) -> bool:
+        """The record names an agent that exists in the tenant it names (checked in that
+        tenant's scope): its dead letter can be shown to that tenant."""
+        if not isinstance(rec, dict) or not isinstance(rec.get("flow_id"), str):
+            return False
+        tenant_id, agent_id = rec.get("tenant_id"), rec.get("agent_id")
+        if not (_is_int(tenant_id) and _is_int(agent_id)):
+            return False
+        with tenant_context(tenant_id):
+            return Agent.objects.filter(pk=agent_id, tenant_id=tenant_id).exists()
+
+    def _record_spool_state(self, drained_through: datetime) -> None:
+        """SpoolState for erasure: the segments still unshipped and the start of this (complete)
+        pass. Rewritten when it changes, else every SPOOL_STATE_EVERY_S (liveness)."""
+        pending = sorted(p.name.rsplit(".", 1)[0] for p in segments(self.spool_dir)) \
+            if self.spool_dir.exists() else []
+        now = time.monotonic()
+        if pending == self._last_state[0] and now - self._last_state[1] < SPOOL_STATE_EVERY_S:
+            return
+        size = 0
+        for stem in pending:
+            for suffix in (".open", ".log"):
+                try:
+                    size += (self.spool_dir / (stem + suffix)).stat().st_size
+                except FileNotFoundError:
+                    pass
+        try:
+            SpoolState.objects.update_or_create(
+                name=self.spool_name, defaults={
+                    "pending_segments": pending, "pending_bytes": size,
+                    "drained_through": drained_through, "updated_at": timezone.now()})
+        except (OperationalError, InterfaceError):
+            raise  # the database is down: the loop backs off and retries
+        except DatabaseError:
+            # Advisory for erasure (which then names this spool as not reporting): shipping
+            # itself must go on.
+            log.exception("shipper: could not record the spool state of %s", self.spool_name)
+            return
+        self._last_state = (pending, now)
 
     # -- validation ----------------------------------------------------------------------
     def _prepare(self, records: list[Any], agents: dict[int, int]
@@ -236,7 +381,13 @@ class Shipper:
             if reason:
                 dead.append({"reason": reason, "record": rec})
                 log.error("shipper: dead-lettered flow %s (tenant %s, agent %s): %s",
-                          flow_id, tenant_id, agent_id, reason)
+                          storable_text(flow_id, 64), tenant_id, agent_id, reason)
+                continue
+            # The flow id is also the raw payload's associated data: escape it before both.
+            flow_id = storable_text(flow_id)
+            if len(flow_id) > 64:
+                dead.append({"reason": "missing or invalid flow_id", "record": rec})
+                log.error("shipper: dead-lettered flow %s: invalid flow_id", flow_id[:64])
                 continue
             problems: list[str] = []
             if rec.get("v") != 1:
@@ -263,41 +414,42 @@ class Shipper:
                 except (ValueError, TypeError):
                     problems.append(f"{key} is not base64")
             subject = rec.get("subject")
-            subject_hash = (keyed_subject_hash(tenant_id, subject)
+            subject_hash = (keyed_subject_hash(tenant_id, storable_text(subject))
                             if isinstance(subject, str) and subject.strip() else "")
             ok.append(_Prepared(rec, flow_id, tenant_id, agent_id, trajectory_id, step_id,
                                 subject_hash, started_at, problems))
         return ok, dead
 
     # -- the transaction -----------------------------------------------------------------
-    def _insert(self, batch: SegmentBatch) -> tuple[list[int], int, int, list[dict]]:
+    def _insert(self, records: list[Any], segment: str
+                ) -> tuple[list[int], int, int, list[dict]]:
         """Store a batch in the current transaction: the records of each tenant in that
         tenant's row-level security scope (governance.tenancy.tenant_context: one
         set_config(..., true) per group, several groups in this one transaction), so a record
         can only ever be written as the tenant it names — and only with that tenant's agents
         and trajectories visible."""
         groups: dict[int | None, list[Any]] = defaultdict(list)
-        for rec in batch.records:
+        for rec in records:
             tenant_id = rec.get("tenant_id") if isinstance(rec, dict) else None
             groups[tenant_id if _is_int(tenant_id) else None].append(rec)
         new_ids: list[int] = []
         quarantined = duplicates = 0
         dead: list[dict] = []
         seen: set[str] = set()  # flow ids of this batch, across tenants
-        for tenant_id, records in groups.items():
+        for tenant_id, group in groups.items():
             if tenant_id is None:  # no tenant to store them under: dead letters
-                dead.extend(self._prepare(records, {})[1])
+                dead.extend(self._prepare(group, {})[1])
                 continue
             with tenant_context(tenant_id):
                 ids, n_quarantined, n_duplicates, tenant_dead = self._insert_tenant(
-                    batch, tenant_id, records, seen)
+                    segment, tenant_id, group, seen)
             new_ids.extend(ids)
             quarantined += n_quarantined
             duplicates += n_duplicates
             dead.extend(tenant_dead)
         return sorted(new_ids), quarantined, duplicates, dead
 
-    def _insert_tenant(self, batch: SegmentBatch, tenant_id: int, records: list[Any],
+    def _insert_tenant(self, segment: str, tenant_id: int, records: list[Any],
                        seen: set[str]) -> tuple[list[int], int, int, list[dict]]:
         """One tenant's records, inside its scope: agents of other tenants are invisible, so a
         record naming one is dead-lettered ("does not exist in tenant")."""
@@ -327,7 +479,7 @@ class Shipper:
             route_id, route_arm = _route_of(rec, first.agent_id, routes)
             new_trajs.append(Trajectory(
                 id=tid, tenant_id=first.tenant_id, agent_id=first.agent_id,
-                session_id=(rec.get("session_id") or "")[:256]
+                session_id=storable_text(rec.get("session_id") or "", 256)
                 if isinstance(rec.get("session_id"), str) else "",
                 source=rec.get("trajectory_source")
                 if rec.get("trajectory_source") in Trajectory.Source.values
@@ -388,13 +540,14 @@ class Shipper:
             rows.append(Interaction(
                 flow_id=p.flow_id, tenant_id=p.tenant_id, agent_id=p.agent_id,
                 trajectory_id=p.trajectory_id, step_id=p.step_id,
-                endpoint=str(rec.get("endpoint") or "")[:32],
-                method=str(rec.get("method") or "")[:8], path=str(rec.get("path") or "")[:512],
+                endpoint=storable_text(rec.get("endpoint") or "", 32),
+                method=storable_text(rec.get("method") or "", 8),
+                path=storable_text(rec.get("path") or "", 512),
                 status_code=status if _is_int(status) and 0 <= status < 32768 else None,
                 is_stream=bool(rec.get("is_stream")),
                 request_is_json=bool(rec.get("request_is_json", True)),
-                error_kind=str(err.get("kind") or "")[:32],
-                error_message=str(err.get("message") or ""),
+                error_kind=storable_text(err.get("kind") or "", 32),
+                error_message=storable_text(err.get("message") or ""),
                 subject_hash=p.subject_hash,
                 consent=Consent.NO_TRAIN if rec.get("consent") == Consent.NO_TRAIN
                 else Consent.TRAIN,
@@ -402,8 +555,8 @@ class Shipper:
                 ended_at=_epoch(rec.get("t_end")),
                 data_key=key, raw_ciphertext=ciphertext,
                 raw_expires_at=expires if ciphertext is not None else None,
-                state=state, state_reason=reason,
-                proxy_instance=str(rec.get("proxy_instance") or "")[:128],
+                state=state, state_reason=storable_text(reason),
+                proxy_instance=storable_text(rec.get("proxy_instance") or "", 128),
             ))
 
         inserted = insert_ignore_conflicts(rows, returning=("id", "flow_id", "state"))
@@ -416,7 +569,7 @@ class Shipper:
                 # Not inserted and not there (in this tenant): the step id collided with
                 # another flow's (or the flow id is another tenant's).
                 dead.append({"reason": f"step_id {row.step_id} already used by another flow",
-                             "record": p.record})
+                             "record": p.record, TO_TABLE: True})
                 log.error("shipper: dead-lettered flow %s (tenant %s): step id %s collides",
                           row.flow_id, row.tenant_id, row.step_id)
 
@@ -444,7 +597,7 @@ class Shipper:
             record_event(ACTOR, "capture.shipped", tenant=tenant_id, object_type="interaction",
                          object_id=f"{min(ids)}-{max(ids)}",
                          payload={"inserted": len(ids), "quarantined": quarantined,
-                                  "segment": batch.segment.name})
+                                  "segment": segment})
             if quarantined:
                 log.warning("shipper: tenant %s: quarantined interactions %s", tenant_id,
                             quarantined)
@@ -474,9 +627,72 @@ class Shipper:
             pos += len(line)
         return out
 
-    def _write_dead_letters(self, entries: list[dict]) -> None:
+    def _write_dead_letters(self, entries: list[dict], segment: str) -> None:
+        """Entries of an attributable record become DeadLetter rows of its tenant; the rest,
+        and any the table refuses, go to the encrypted dead-letter file."""
+        to_file = [e for e in entries if not e.get(TO_TABLE)]
+        by_tenant: dict[int, list[dict]] = defaultdict(list)
+        for e in entries:
+            if e.get(TO_TABLE):
+                by_tenant[e["record"]["tenant_id"]].append(e)
+        for tenant_id, group in by_tenant.items():
+            try:
+                self._insert_dead_letters(tenant_id, group, segment)
+            except (OperationalError, InterfaceError):
+                raise
+            except (DatabaseError, ValueError) as exc:
+                log.error("shipper: tenant %s: dead-letter table refused %d entries (%s); "
+                          "writing them to %s", tenant_id, len(group), type(exc).__name__,
+                          self.dead_letter_path.name)
+                to_file.extend(group)
+        if to_file:
+            self._append_dead_letter_file(to_file)
+
+    def _insert_dead_letters(self, tenant_id: int, entries: list[dict], segment: str) -> None:
+        expires = timezone.now() + timedelta(days=retention_days())
+        with tenant_context(tenant_id):
+            hashes: dict[int, str] = {}
+            for i, e in enumerate(entries):
+                subject = e["record"].get("subject")
+                hashes[i] = (keyed_subject_hash(tenant_id, storable_text(subject))
+                             if isinstance(subject, str) and subject.strip() else "")
+            suppressed = suppressed_hashes(tenant_id, set(hashes.values()))
+            keys = data_keys_for({(tenant_id, h) for h in hashes.values()
+                                  if h not in suppressed})
+            plain: dict[str, bytes] = {}
+            rows = []
+            for i, e in enumerate(entries):
+                rec, h = e["record"], hashes[i]
+                flow_id = storable_text(rec["flow_id"], 64)
+                key = keys.get((tenant_id, h))
+                ciphertext = None
+                if key is not None and not key_is_destroyed(key):
+                    if h not in plain:
+                        plain[h] = unwrap(key)
+                    ciphertext = seal_dead_letter(plain[h], tenant_id, flow_id,
+                                                  orjson.dumps(rec))
+                else:  # an erased subject: the reason and ids only, never the content
+                    key = None
+                agent = rec.get("agent_id")
+                rows.append(DeadLetter(
+                    tenant_id=tenant_id, flow_id=flow_id,
+                    agent_ref=agent if _is_int(agent) and abs(agent) < 2**63 else None,
+                    trajectory_ref=storable_text(rec.get("trajectory_id") or "", 64),
+                    subject_hash=h, reason=storable_text(e["reason"]), segment=segment[:128],
+                    data_key=key, record_ciphertext=ciphertext,
+                    expires_at=expires if ciphertext is not None else None))
+            inserted = insert_ignore_conflicts(rows, returning=("id",))
+            if inserted:
+                record_event(ACTOR, "capture.dead_lettered", tenant=tenant_id,
+                             object_type="dead_letter",
+                             object_id=",".join(str(pk) for (pk,) in inserted)[:64],
+                             payload={"dead_letters": [pk for (pk,) in inserted],
+                                      "segment": segment})
+
+    def _append_dead_letter_file(self, entries: list[dict]) -> None:
         now = time.time()
-        data = b"".join(encode_line(self.spool_key, {"at": now, **e}) for e in entries)
+        data = b"".join(encode_line(self.spool_key, {"at": now, **{
+            k: v for k, v in e.items() if k != TO_TABLE}}) for e in entries)
         with open(self.dead_letter_path, "ab") as f:
             f.write(data)
             f.flush()

@@ -123,10 +123,10 @@ def test_live_progress_fragment_while_running(client, make_member, tenant):
     fragment = client.get("/erasure/?part=rows", **HTMX).content.decode()
     assert "<html" not in fragment and f"#{req.pk}" in fragment
     assert 'hx-trigger="every 2s"' in fragment
-    assert "stage 3 of 5" in fragment and "9 steps" in fragment and "4 trajectories" in fragment
+    assert "stage 4 of 6" in fragment and "9 steps" in fragment and "4 trajectories" in fragment
     state = client.get(f"/erasure/{req.pk}/?part=state", **HTMX).content.decode()
     assert 'id="erasure-state"' in state and "<html" not in state
-    assert "Stage 3 of 5" in state and "2 deletion batches" in state
+    assert "Stage 4 of 6" in state and "2 deletion batches" in state
 
 
 def test_failed_request_shows_its_error_and_what_to_do(client, make_member, tenant):

@@ -184,7 +184,8 @@ def test_erasure_job_on_pipeline_data(tenant, other_tenant, agent, people, erasu
     assert counts["data_keys_destroyed"] == 1 and counts["exports_removed"] == 1
     assert counts["suppressed_hashes"] == len(lookups)
     assert cert["post_condition"] == {"clean": True, "remaining": {
-        "trajectories": 0, "interactions": 0, "subject_index": 0, "live_data_keys": 0}}
+        "trajectories": 0, "interactions": 0, "subject_index": 0, "live_data_keys": 0,
+        "dead_letters": 0}}
     assert cert["dataset_versions_invalidated"] == [approved.pk]
     assert cert["dataset_versions_changed"] == [draft.pk]
     assert cert["checkpoints_tainted"] == [ckpt.pk]
@@ -291,7 +292,8 @@ def test_crash_mid_job_resumes_without_double_counting(tenant, agent, people, er
     assert req.certificate["counts"]["interactions"] == 6
     assert Trajectory.objects.filter(pk=keep.pk).exists()
     assert post_condition(tenant.pk, req.lookup_hashes) == {
-        "trajectories": 0, "interactions": 0, "subject_index": 0, "live_data_keys": 0}
+        "trajectories": 0, "interactions": 0, "subject_index": 0, "live_data_keys": 0,
+        "dead_letters": 0}
     assert AuditEvent.objects.filter(action="erasure.resumed", object_id=str(req.pk)).exists()
     assert SuppressedSubject.objects.filter(tenant=tenant).count() == len(req.lookup_hashes)
 

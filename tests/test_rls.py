@@ -193,7 +193,9 @@ def world(tenant, other_tenant, make_member):
         erasure = ErasureRequest.objects.create(tenant=t, subject_hash=f"e-{t.slug}")
         SuppressedSubject.objects.create(tenant=t, subject_hash=f"e-{t.slug}",
                                          erasure_request=erasure)
-        from governance.models import ContextUpdate, PolicyRoute
+        from governance.models import ContextUpdate, DeadLetter, PolicyRoute
+
+        DeadLetter.objects.create(tenant=t, flow_id=f"dl-{t.slug}", reason="r")
 
         update = ContextUpdate.objects.create(tenant=t, agent=key.agent, kind="system_prompt",
                                               content={"snippet": "x"}, version=1,

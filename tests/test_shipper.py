@@ -18,8 +18,8 @@ from django.db import connection
 from django.utils import timezone
 
 from governance.crypto import master_key, subject_hash
-from governance.models import AuditEvent, DataKey, Interaction, Step, Trajectory
-from governance.rawstore import data_key_aad, decode_body, open_raw
+from governance.models import AuditEvent, DataKey, DeadLetter, Interaction, Step, Trajectory
+from governance.rawstore import data_key_aad, decode_body, open_dead_letter, open_raw
 from governance.sanitizer import SANITIZER_VERSION
 from governance.tasks import build_pending_steps, build_steps
 from proxy.shipper import DEAD_LETTER_NAME, Shipper, ship_once
@@ -172,7 +172,11 @@ def test_step_id_collision_is_dead_lettered_not_lost(tenant, agent, tmp_path):
     shipper = Shipper(tmp_path, enqueue=None)
     counts = shipper.ship_once().as_dict()
     assert (counts["inserted"], counts["dead_lettered"]) == (1, 1)
-    assert [d["record"]["flow_id"] for d in shipper.read_dead_letters()] == [clash["flow_id"]]
+    # The tenant's dead-letter table (visible on its console), not the operators' file.
+    assert shipper.read_dead_letters() == []
+    dead = DeadLetter.objects.get(tenant=tenant)
+    assert dead.flow_id == clash["flow_id"] and "already used by another flow" in dead.reason
+    assert open_dead_letter(dead) == clash
 
 
 def test_large_batches_are_inserted_in_chunks(tenant, agent, tmp_path, monkeypatch):

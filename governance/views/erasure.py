@@ -26,6 +26,7 @@ PAGE_SIZE = 50
 STAGE_LABELS: dict[str, str] = {
     "suppress": "Suppressing the subject and destroying their data keys",
     "spool": "Waiting for the proxy spool to drain",
+    "scan": "Decrypting and scanning payloads that were never indexed",
     "delete": "Deleting trajectories, steps, interactions and what hangs off them",
     "exports": "Removing export files of affected dataset versions",
     "verify": "Checking that nothing of the subject is left",
@@ -42,12 +43,14 @@ COUNT_LABELS: dict[str, str] = {
     "data_keys_destroyed": "Data keys destroyed (crypto-shredding)",
     "suppressed_hashes": "Hashes put on the suppression list",
     "exports_removed": "Export files removed",
+    "dead_letters": "Dead letters (records the shipper could not store)",
 }
 REMAINING_LABELS: dict[str, str] = {
     "trajectories": "Trajectories",
     "interactions": "Interactions",
     "subject_index": "Subject index rows",
     "live_data_keys": "Live data keys",
+    "dead_letters": "Dead letters",
 }
 
 
@@ -137,6 +140,7 @@ def _certificate_rows(cert: dict[str, Any]) -> dict[str, Any]:
         "counts": [(COUNT_LABELS.get(k, k), counts.get(k, 0)) for k in COUNT_KINDS],
         "remaining": [(REMAINING_LABELS.get(k, k), v) for k, v in remaining.items()],
         "clean": bool((cert.get("post_condition") or {}).get("clean")),
+        "because": list((cert.get("post_condition") or {}).get("because") or []),
     }
 
 

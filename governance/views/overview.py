@@ -31,6 +31,7 @@ from governance.middleware import SESSION_KEY
 from governance.models import (
     Agent,
     DatasetVersion,
+    DeadLetter,
     ErasureRequest,
     Interaction,
     Step,
@@ -42,6 +43,8 @@ from governance.views.common import can, console_view, proxy_base_url
 HOURS = 24
 # More agents than this and the chart folds the smallest into "other agents" (legible colours).
 MAX_AGENT_SERIES = 8
+# Dead letters listed on the page (the count is of all of them).
+DEAD_LETTERS_SHOWN = 10
 
 
 @require_POST
@@ -174,9 +177,11 @@ def overview_context(request: HttpRequest) -> dict[str, Any]:
     interactions = Interaction.objects.for_tenant(tenant)
     backlog = interactions.filter(state=Interaction.State.CAPTURED).aggregate(
         n=Count("id"), oldest=Min("started_at"))
+    dead_letters = DeadLetter.objects.for_tenant(tenant)
+    dead_letter_count = dead_letters.count()
     captured_anything = (backlog["n"] > 0
                          or Trajectory.objects.for_tenant(tenant).exists()
-                         or interactions.exists())
+                         or interactions.exists() or dead_letter_count > 0)
     context: dict[str, Any] = {
         "captured_anything": captured_anything,
         "base_url": proxy_base_url(request),
@@ -203,6 +208,9 @@ def overview_context(request: HttpRequest) -> dict[str, Any]:
                                                                          "read_trajectories")
          else None,
          "hint": "never training data; see the reason on the trajectory"},
+        {"label": "records the shipper could not store", "count": dead_letter_count,
+         "level": "bad", "href": "#dead-letters" if can(request, "read_trajectories") else None,
+         "hint": "kept encrypted as dead letters; erasure removes a subject's"},
         {"label": "dataset versions awaiting approval", "count": _pending_approvals(tenant),
          "level": "warn", "href": _href("approvals") if can(request, "read_datasets") else None,
          "hint": "a compliance officer decides"},
@@ -223,6 +231,12 @@ def overview_context(request: HttpRequest) -> dict[str, Any]:
         "agent_count": Agent.objects.for_tenant(tenant).count(),
         "last_call": last_call,
         "actions": actions,
+        "dead_letter_count": dead_letter_count,
+        # The newest few: ids, reason, segment and time only (the record stays sealed).
+        "dead_letters": list(dead_letters.order_by("-created_at", "-pk")
+                             .only("pk", "flow_id", "reason", "segment", "created_at",
+                                   "record_ciphertext")[:DEAD_LETTERS_SHOWN])
+        if dead_letter_count and can(request, "read_trajectories") else [],
         "recent": Trajectory.objects.for_tenant(tenant).select_related("agent")
         .order_by("-started_at")[:10] if can(request, "read_trajectories") else [],
     })
