@@ -54,6 +54,11 @@ class RolloutError(RuntimeError):
     pass
 
 
+class EngineUnreachable(RolloutError):
+    """No answer from the engine at all (connection refused, DNS, timeout): worth a bounded
+    retry, unlike an engine that answered and refused."""
+
+
 # ------------------------------------------------------------------------------ transformers
 
 class HFRollout:
@@ -198,7 +203,7 @@ class SGLangRollout:
             detail = e.read()[:500].decode(errors="replace")
             raise RolloutError(f"SGLang {path} answered {e.code}: {detail}") from e
         except urllib.error.URLError as e:
-            raise RolloutError(f"SGLang at {self.url} unreachable: {e.reason}") from e
+            raise EngineUnreachable(f"SGLang at {self.url} unreachable: {e.reason}") from e
         return json.loads(body) if body.strip() else {}
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
