@@ -311,7 +311,8 @@ def _record_gate(actor: Any, cand: Candidate, decision: ev.Decision, *,
     return result
 
 
-def _stop(actor: Any, cand: Candidate, status: str, reason: str) -> None:
+def _stop(actor: Any, cand: Candidate, status: str, reason: str,
+          hash_reason: bool = False) -> None:
     cand.status = status
     cand.reason = reason[:4000]
     cand.finished_at = timezone.now()
@@ -321,8 +322,10 @@ def _stop(actor: Any, cand: Candidate, status: str, reason: str) -> None:
 
         reject_context_update(actor, cand.context_update, f"candidate {cand.pk}: {reason}")
     record_event(actor, f"candidate.{status}", tenant=cand.tenant_id, object_type="candidate",
-                 object_id=cand.pk, payload={"stage": cand.stage,
-                                             **_reason_payload(actor, reason)})
+                 object_id=cand.pk,
+                 payload={"stage": cand.stage,
+                          **({"reason_sha256": _digest(reason)} if hash_reason
+                             else _reason_payload(actor, reason))})
 
 
 def record_offline_gate(candidate_id: int, tenant_id: int, decision: ev.Decision) -> bool:
@@ -796,11 +799,12 @@ def record_push_outcome(candidate_id: int, tenant_id: int, task_id: str,
         elif error is None:
             cand.serving = serving
             cand.save(update_fields=["serving", "updated_at"])
-            # The person's reason is on the row and hashed in candidate.rolling_back; this
-            # machine-written one closes it.
+            # cand.reason holds the text of the intent ("rolling back: <why>"), which may
+            # be a person's: only its SHA-256 goes into the chain.
+            why = cand.reason.removeprefix("rolling back: ")
             _stop(SYSTEM_ACTOR, cand, Candidate.Status.ROLLED_BACK,
-                  f"rolled back: {outcome.get('restored', 'previous weights')} restored on "
-                  "production")
+                  f"rolled back: {why} ({outcome.get('restored', 'previous weights')} "
+                  "restored on production)", hash_reason=True)
         else:
             # Production still serves this candidate's weights: the database says so.
             cand.status = Candidate.Status.PROMOTED
