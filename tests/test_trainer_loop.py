@@ -3,6 +3,7 @@ run continues exactly where the interrupted one would have gone, cancellation ch
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from trainer.config import GRPOConfig
 from trainer.loop import Task, list_checkpoints, train
+from trainer.rollout import HFRollout
 from trainer.tiny import build_tiny, load_tiny
 
 STEP_KEYS = {"step", "reward_mean", "reward_std", "loss", "kl", "entropy", "tokens_per_s",
@@ -137,12 +139,64 @@ def test_micro_batches_give_the_same_update(tmp_path):
     assert not torch.equal(results[0], _flat(_setup()[0]))  # the step did change the weights
 
 
+class RecordingRollout(HFRollout):
+    """The loop's own HF backend, also keeping each step's rollouts and the weights each
+    step sampled (and scored the update's log-probs) with."""
+
+    def __init__(self, policy: torch.nn.Module, tok) -> None:
+        super().__init__(policy, tok.eos_token_id, tok.pad_token_id)
+        self.rollouts: list[list] = []
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    def sync_weights(self, policy: torch.nn.Module, weight_version: str) -> None:
+        super().sync_weights(policy, weight_version)
+        self.weights.append(copy.deepcopy(policy.state_dict()))
+
+    def generate(self, *args, **kwargs):
+        out = super().generate(*args, **kwargs)
+        self.rollouts.append(out)
+        return out
+
+
+def k3_kl_by_hand(model: torch.nn.Module, ref: torch.nn.Module, rollouts, temperature: float
+                  ) -> float:
+    """Schulman's k3 estimate of KL(pi || pi_ref), token-mean over every completion token,
+    computed without the trainer's code: one unpadded forward per rollout, log-softmax at
+    the positions that predict the completion."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rollouts:
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            targets = torch.tensor(r.completion_ids)
+            start = len(r.prompt_ids) - 1
+            stop = start + len(r.completion_ids)
+            lp = torch.log_softmax(model(ids).logits[0, start:stop] / temperature, -1)
+            ref_lp = torch.log_softmax(ref(ids).logits[0, start:stop] / temperature, -1)
+            d = (ref_lp.gather(1, targets[:, None]) - lp.gather(1, targets[:, None]))[:, 0]
+            total += float((torch.exp(d) - d - 1.0).sum())
+            count += len(r.completion_ids)
+    return total / count
+
+
 def test_kl_loss_to_the_reference_and_checkpoint_retention(tmp_path):
+    """The logged KL is the k3 KL of the weights each step scored with against the initial
+    weights, on that step's rollouts: exactly 0 at step 1 (nothing moved yet), then equal to
+    an independent computation at every step."""
     policy, tok, tasks = _setup()
-    hist = train(_config(tmp_path, use_kl_loss=True, kl_loss_coef=0.1, total_steps=3,
-                         save_every=1, max_checkpoints_to_keep=2, ppo_epochs=2),
-                 policy, tok, tasks, _reward)
-    assert hist[0]["kl"] >= 0 and hist[-1]["kl"] > 0     # the policy moved away from the ref
+    reference = copy.deepcopy(policy).eval()
+    backend = RecordingRollout(policy, tok)
+    # One pass over the whole batch: the update's log-probs are the pre-step weights'.
+    config = _config(tmp_path, use_kl_loss=True, kl_loss_coef=0.1, total_steps=3,
+                     save_every=1, max_checkpoints_to_keep=2, ppo_epochs=1,
+                     ppo_mini_batch_size=0, drop_zero_spread_groups=False)
+    hist = train(config, policy, tok, tasks, _reward, backend=backend)
+    assert hist[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    scorer = copy.deepcopy(reference)
+    for step, metrics in enumerate(hist):
+        scorer.load_state_dict(backend.weights[step])  # what step `step + 1` scored with
+        by_hand = k3_kl_by_hand(scorer, reference, backend.rollouts[step], config.temperature)
+        assert metrics["kl"] == pytest.approx(by_hand, rel=1e-3, abs=1e-7), step
+    assert hist[-1]["kl"] > 1e-5                           # the policy moved away from the ref
     assert [c.name for c in list_checkpoints(tmp_path)] == ["global_step_2", "global_step_3"]
 
 
