@@ -30,7 +30,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from governance.audit import record_event
@@ -745,7 +745,7 @@ def claim_push(candidate_id: int, tenant_id: int, task_id: str) -> dict[str, Any
         claimed = (Candidate.objects.filter(pk=candidate_id, status__in=Candidate.PUSHING)
                    .filter(Q(task_id="") | Q(task_id=task_id)
                            | Q(heartbeat_at__lt=now - PUSH_STALE))
-                   .update(task_id=task_id, heartbeat_at=now, attempts=F("attempts") + 1))
+                   .update(task_id=task_id, heartbeat_at=now))
         if not claimed:
             return None
         cand = Candidate.objects.select_related("checkpoint", "checkpoint__job").get(
@@ -760,7 +760,7 @@ def claim_push(candidate_id: int, tenant_id: int, task_id: str) -> dict[str, Any
                      object_type="candidate", object_id=candidate_id,
                      payload={"which": which, "engine": plan.get("engine"),
                               "weight_version": plan.get("weight_version"),
-                              "task_id": task_id, "attempt": cand.attempts})
+                              "task_id": task_id})
     return {**plan, "which": which, "refusal": refusal}
 
 
