@@ -172,6 +172,7 @@ CELERY_TASK_ROUTES = {
     "governance.tasks.evaluate_canaries": {"queue": "capture"},
     "trainer.tasks.run_training_job": {"queue": "gpu"},
     "trainer.evolution_tasks.run_gates": {"queue": "gpu"},
+    "trainer.evolution_tasks.push_candidate_weights": {"queue": "gpu"},
     "trainer.evolution_tasks.advance_candidates": {"queue": "capture"},
 }
 CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)

@@ -48,7 +48,11 @@ from governance.tenancy import tenant_atomic, tenant_context
 CONTROL, CANDIDATE = "control", "candidate"
 SYSTEM_ACTOR = "system:canary"
 REWARD_NAME = "reward"  # the late-bound reward compared between arms
-ALPHA = 0.05  # two-sided significance level of the Welch test
+ALPHA = 0.05  # always-valid two-sided level of the sequential test (msprt)
+# The mixing distribution of the mSPRT: the reward difference ~ N(0, tau^2) with tau this many
+# pooled standard deviations of the per-session reward. It sets which effects the test is
+# quickest to detect (about tau); the error rate holds whatever it is.
+MSPRT_TAU_SD = 0.5
 DEFAULT_MIN_SESSIONS_PER_ARM = 30
 DEFAULT_MAX_ERROR_RATE_INCREASE = 0.05
 # An error-rate rollback needs at least this many candidate interactions, so that one failed
@@ -412,7 +416,7 @@ class CanaryComparison:
     std_candidate: float | None
     error_rate_control: float | None  # errored interactions / interactions of the arm
     error_rate_candidate: float | None
-    p_value: float | None  # two-sided Welch t-test; None until both arms have 2 rewards
+    p_value: float | None  # always-valid mSPRT p-value; None until both arms have 2 rewards
     decision: str  # "promote" | "rollback" | "wait"
     reason: str
     sessions_control: int = 0  # trajectories assigned to the arm (rewarded or not)
@@ -434,70 +438,63 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return mean, math.sqrt(var)
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularized incomplete beta function (Lentz's method)."""
-    tiny, eps = 1e-300, 3e-14
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < eps:
-            break
-    return h
+def _variance(values: list[float], mean: float) -> float:
+    return math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1)
 
 
-def _betai(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    ln_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                + a * math.log(x) + b * math.log1p(-x))
-    front = math.exp(ln_front)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+def msprt_log_likelihood_ratio(delta: float, variance: float, tau2: float) -> float:
+    """log Lambda of the normal-mixture sequential probability ratio test (mSPRT; Robbins
+    1970, as used for A/B tests by Johari, Koomen, Pekelis & Walsh, "Always valid inference:
+    continuous monitoring of A/B tests", Operations Research 2022).
+
+    `delta` is the observed difference of means (candidate - control), `variance` its
+    variance (sigma_c^2 / n_c + sigma_k^2 / n_k), `tau2` the variance of the normal mixing
+    distribution over the true difference theta (H0: theta = 0). Mixing the Gaussian
+    likelihood ratio over theta ~ N(0, tau2) gives
+
+        Lambda = sqrt(V / (V + tau2)) * exp(tau2 * delta^2 / (2 V (V + tau2))),
+
+    a nonnegative martingale under H0 as information (1/V) accrues, so by Ville's
+    inequality P(Lambda ever >= 1/alpha) <= alpha: the test may be looked at after every
+    session and stopped at the first crossing without inflating the error rate (unlike a
+    fixed-sample test repeated, tests/test_canary.py). Computed in logs (no overflow)."""
+    if variance <= 0:
+        return math.inf if delta != 0 else 0.0
+    return 0.5 * math.log(variance / (variance + tau2)) \
+        + tau2 * delta * delta / (2.0 * variance * (variance + tau2))
 
 
-def student_t_two_sided_p(t: float, df: float) -> float:
-    """P(|T| >= |t|) for Student's t with `df` degrees of freedom (exact, via the incomplete
-    beta function; no scipy)."""
-    if math.isinf(t):
-        return 0.0
-    return _betai(df / 2.0, 0.5, df / (df + t * t))
+def msprt(n_control: int, mean_control: float, var_control: float, n_candidate: int,
+          mean_candidate: float, var_candidate: float, *, tau_sd: float = MSPRT_TAU_SD
+          ) -> tuple[float, float]:
+    """(always-valid two-sided p-value, log Lambda) for mean_candidate - mean_control from
+    each arm's size, mean and sample variance (both arms need n >= 2). The variances are
+    plugged in (the large-sample version of Johari et al.; the canary waits for
+    min_sessions_per_arm first), and tau = tau_sd pooled standard deviations, so the test
+    does not depend on the reward's scale. p = min(1, 1/Lambda): rejecting when p <= alpha
+    at the first look where it happens keeps the error rate at alpha however often one
+    looks (each evaluation of a canary is a look; it stops at the first crossing)."""
+    variance = var_control / n_control + var_candidate / n_candidate
+    pooled = (var_control + var_candidate) / 2.0
+    log_lr = msprt_log_likelihood_ratio(mean_candidate - mean_control, variance,
+                                        (tau_sd * tau_sd) * pooled)
+    return (math.exp(-log_lr) if log_lr > 0 else 1.0), log_lr
 
 
-def welch_t_test(a: list[float], b: list[float]) -> tuple[float, float, float]:
-    """(t, Welch–Satterthwaite df, two-sided p) for mean(b) - mean(a). Both need >= 2 values.
-    Zero variance in both arms: p = 0 when the means differ, 1 when they are equal."""
-    ma, sa = _mean_std(a)
-    mb, sb = _mean_std(b)
-    assert ma is not None and mb is not None and sa is not None and sb is not None
-    va, vb = sa * sa / len(a), sb * sb / len(b)
-    se2 = va + vb
-    if se2 == 0:
-        return (math.copysign(math.inf, mb - ma) if mb != ma else 0.0,
-                float(len(a) + len(b) - 2), 0.0 if mb != ma else 1.0)
-    t = (mb - ma) / math.sqrt(se2)
-    df = se2 * se2 / ((va * va / (len(a) - 1) if va else 0.0)
-                      + (vb * vb / (len(b) - 1) if vb else 0.0))
-    return t, df, student_t_two_sided_p(t, df)
+def sequential_decision(n_control: int, mean_control: float, var_control: float,
+                        n_candidate: int, mean_candidate: float, var_candidate: float, *,
+                        alpha: float = ALPHA, tau_sd: float = MSPRT_TAU_SD
+                        ) -> tuple[str, float]:
+    """The reward rule of one look, on summary statistics: ("promote" | "rollback" |
+    "wait", always-valid p). Promote when the mSPRT rejects "no difference" at `alpha` with
+    the candidate ahead, roll back when it rejects with the candidate behind."""
+    p, _ = msprt(n_control, mean_control, var_control, n_candidate, mean_candidate,
+                 var_candidate, tau_sd=tau_sd)
+    if p <= alpha and mean_candidate > mean_control:
+        return "promote", p
+    if p <= alpha and mean_candidate < mean_control:
+        return "rollback", p
+    return "wait", p
 
 
 def decide(rewards_control: list[float], rewards_candidate: list[float], *,
@@ -511,10 +508,13 @@ def decide(rewards_control: list[float], rewards_candidate: list[float], *,
        MIN_ERROR_INTERACTIONS interactions and its error rate exceeds control's by more than
        `max_error_rate_increase` (absolute), roll back.
     2. Until each arm has `min_sessions_per_arm` trajectories with a final reward: wait.
-    3. Welch's two-sample t-test (unequal variances, Welch–Satterthwaite degrees of freedom,
-       exact Student t tail) on the per-trajectory rewards, two-sided at ALPHA = 0.05: a
-       significantly higher candidate mean promotes, a significantly lower one rolls back,
-       anything else waits (a person can still decide).
+    3. The mixture sequential probability ratio test (msprt, sequential_decision) on the
+       per-trajectory rewards, at ALPHA = 0.05 always-valid: the beat task looks every 30 s,
+       and a test valid under continuous monitoring keeps the chance of ever promoting a
+       candidate that is no better at ALPHA/2 or less (a fixed-sample Welch test repeated at
+       every look promoted such a candidate far more often: tests/test_canary.py). A
+       significantly higher candidate mean promotes, a lower one rolls back, anything else
+       waits (a person can still decide).
     """
     err_c = errors_control / interactions_control if interactions_control else None
     err_k = errors_candidate / interactions_candidate if interactions_candidate else None
@@ -528,7 +528,9 @@ def decide(rewards_control: list[float], rewards_candidate: list[float], *,
                 interactions_candidate=interactions_candidate)
     p = None
     if len(rewards_control) >= 2 and len(rewards_candidate) >= 2:
-        p = welch_t_test(rewards_control, rewards_candidate)[2]
+        assert mc is not None and mk is not None
+        p = msprt(len(rewards_control), mc, _variance(rewards_control, mc),
+                  len(rewards_candidate), mk, _variance(rewards_candidate, mk))[0]
     if err_k is not None and interactions_candidate >= MIN_ERROR_INTERACTIONS \
             and err_k - (err_c or 0.0) > max_error_rate_increase:
         return CanaryComparison(
@@ -542,16 +544,15 @@ def decide(rewards_control: list[float], rewards_candidate: list[float], *,
             reason=f"{len(rewards_control)} control and {len(rewards_candidate)} candidate "
                    f"rewarded sessions; {min_sessions_per_arm} per arm needed")
     assert p is not None and mc is not None and mk is not None
-    if p < ALPHA and mk > mc:
-        decision, verdict = "promote", "better"
-    elif p < ALPHA and mk < mc:
-        decision, verdict = "rollback", "worse"
-    else:
-        decision, verdict = "wait", "not significantly different"
+    decision, p = sequential_decision(
+        len(rewards_control), mc, _variance(rewards_control, mc), len(rewards_candidate), mk,
+        _variance(rewards_candidate, mk))
+    verdict = {"promote": "better", "rollback": "worse",
+               "wait": "not significantly different"}[decision]
     return CanaryComparison(
         **base, p_value=p, decision=decision,
         reason=f"candidate mean reward {mk:.4g} vs control {mc:.4g} (n={len(rewards_candidate)}"
-               f"/{len(rewards_control)}, Welch p={p:.3g}): {verdict}")
+               f"/{len(rewards_control)}, always-valid mSPRT p={p:.3g}): {verdict}")
 
 
 def compare_arms(route: PolicyRoute, reward_name: str = REWARD_NAME) -> CanaryComparison:

@@ -57,7 +57,7 @@ if _ROOT not in sys.path:
 import orjson  # noqa: E402
 from mitmproxy import ctx, http  # noqa: E402
 
-from governance.crypto import load_master_key  # noqa: E402  (Django-free)
+from governance.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
 from proxy import dispatch, errors  # noqa: E402
 from proxy.engines import Engine, Engines  # noqa: E402
 from proxy.ids import new_id  # noqa: E402
@@ -70,7 +70,14 @@ from proxy.inference import (  # noqa: E402
     response_id,
 )
 from proxy.keys import KeyInfo, KeyTable  # noqa: E402
-from proxy.routing import NO_PLAN, Plan, RoutingTable, apply_plan, upstream_parts  # noqa: E402
+from proxy.routing import (  # noqa: E402
+    ASSIGNMENT_KEY_PURPOSE,
+    NO_PLAN,
+    Plan,
+    RoutingTable,
+    apply_plan,
+    upstream_parts,
+)
 from proxy.spool import SpoolWriter  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
@@ -255,7 +262,8 @@ class Steward:
             self.routing = RoutingTable(
                 s.database_url, s.spool_dir.parent / "proxy-routes.json",
                 s.spool_dir.parent / "proxy-route-assignments.jsonl",
-                s.routing_refresh_seconds, s.route_sticky_max)
+                s.routing_refresh_seconds, s.route_sticky_max,
+                assignment_key=derive_key(master, ASSIGNMENT_KEY_PURPOSE))
             if s.database_url:
                 self.routing.load_initial()
                 self.routing.start()

@@ -21,25 +21,31 @@ snapshot is also written to `proxy-routes.json` beside the key snapshot and read
 a proxy restarted during an outage still routes as before (docs/decisions.md, decision 11).
 
 Assignment. Only NEW sessions are assigned: a trajectory id this process has not seen before
-whose trajectory is new (a new uuid4, or an `X-Steward-Session` seen for the first time).
-An inferred continuation (prefix / previous_response_id) that is unknown here belongs to a
-trajectory that began before anything was recorded and is never assigned mid-way. For each
-route, the k-th new session (k = 0, 1, ...) goes to the candidate iff
-floor((k+1)*share) > floor(k*share): a deterministic low-discrepancy sequence, so after n new
-sessions the candidate has floor(n*share) of them — within one session of the configured share,
-whatever n (a coin flip or a hash is only within ~2 standard deviations). A promoted route sends
-every new session to the candidate. Sessions seen before a route started stay off it.
+whose trajectory is new (a new uuid4, or an `X-Steward-Session` seen for the first time — its
+trajectory id is uuid5 of tenant, agent and session, proxy/ids.py). An inferred continuation
+(prefix / previous_response_id) that is unknown here belongs to a trajectory that began before
+anything was recorded and is never assigned mid-way. A new session goes to the candidate iff
+HMAC-SHA256(key, "<route id>:<trajectory id>"), read as a number in [0, 1), is below the
+route's share (`assignment_point`). The key is the server's (derived from STEWARD_MASTER_KEY,
+proxy/addon.py), so nobody outside can predict or choose a session's arm, and the arm does not
+depend on arrival order: whatever order, time of day or burst sessions come in, each one is
+an independent draw with probability `share`, and every proxy instance with the same key puts
+the same session on the same arm. Over n sessions the realized share is within
+~2*sqrt(share*(1-share)/n) of the target (within 1 point from a few thousand sessions on;
+tests/test_routing.py checks 20 000). A promoted route sends every new session to the
+candidate. Sessions seen before a route started stay off it.
 
 Stickiness. trajectory id -> (route id, arm) lives in one bounded LRU (STEWARD_ROUTE_STICKY_MAX,
-200 000 sessions; an evicted session that comes back counts as new). A restart must not move a
-session either, and the counter scheme cannot be recomputed from the id, so: every assignment is
-appended (by the refresh thread, off the event loop) to the journal `proxy-route-assignments.jsonl`
-next to the snapshot, and at start-up the proxy reloads the journal plus the arms recorded on
-shipped trajectories (Trajectory.route/route_arm, for a new instance or a lost journal) of the
-routes still live. Inferred trajectories do not survive a restart anyway (decision 1), so they
-start a new, newly assigned, trajectory. With several proxy instances behind a non-sticky
-balancer, an `X-Steward-Session` first seen by two instances at once could be assigned twice;
-deployments with several proxies balance by session (as decision 1 already advises).
+200 000 sessions; an evicted session that comes back counts as new, and the hash gives it the
+same arm again). A restart must not move a session either: with the same key the hash gives
+the same arm, and (in case the key or a route's share changed) every assignment is also
+appended (by the refresh thread, off the event loop) to the journal
+`proxy-route-assignments.jsonl` next to the snapshot; at start-up the proxy reloads the
+journal plus the arms recorded on shipped trajectories (Trajectory.route/route_arm, for a new
+instance or a lost journal) of the routes still live. Inferred trajectories do not survive a
+restart anyway (decision 1), so they start a new, newly assigned, trajectory. Several proxy
+instances share the master key, so an `X-Steward-Session` first seen by two of them at once
+gets the same arm from both.
 
 A rollback (or stop) ends the route: every session, candidate ones included, takes the normal
 config on its next request — stickiness yields to rollback by design.
@@ -48,8 +54,8 @@ config on its next request — stickiness yields to rollback by design.
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
-import math
 import os
 import select
 import threading
@@ -78,6 +84,8 @@ FROM steward_proxy_context_updates()
 ASSIGNMENTS_SQL = "SELECT route_id, trajectory_id, arm FROM steward_proxy_route_assignments(%s)"
 
 CONTROL, CANDIDATE = "control", "candidate"
+# The HKDF purpose (governance.crypto.derive_key) of the key that assigns sessions.
+ASSIGNMENT_KEY_PURPOSE = "canary-assignment"
 NEW_SOURCES = ("new", "session")  # trajectory sources that may start a session (inference.py)
 
 
@@ -170,10 +178,18 @@ class Plan:
 NO_PLAN = Plan()
 
 
-def takes_candidate(k: int, share: float) -> bool:
-    """The k-th (0-based) new session of a route goes to the candidate: a deterministic
-    low-discrepancy sequence whose first n terms hold exactly floor(n * share) candidates."""
-    return math.floor((k + 1) * share + 1e-9) > math.floor(k * share + 1e-9)
+def assignment_point(key: bytes, route_id: int, trajectory_id: str) -> float:
+    """Where a session falls in [0, 1) for a route: the first 8 bytes of
+    HMAC-SHA256(key, "<route id>:<trajectory id>") over 2**64. Keyed, so only the server can
+    compute it; per route, so one session's arms in successive canaries are independent."""
+    digest = hmac.digest(key, f"{route_id}:{trajectory_id}".encode(), "sha256")
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def takes_candidate(key: bytes, route_id: int, trajectory_id: str, share: float) -> bool:
+    """A new session goes to the route's candidate with probability `share`, decided by the
+    keyed hash of its trajectory id (module docstring: Assignment)."""
+    return assignment_point(key, route_id, trajectory_id) < share
 
 
 # --- applying context updates to a request body -------------------------------------------
@@ -273,8 +289,12 @@ class RoutingTable(PolledConnection):
 
     def __init__(self, database_url: str, snapshot_path: Path | None = None,
                  journal_path: Path | None = None, refresh_seconds: float = 5.0,
-                 sticky_max: int = 200_000) -> None:
+                 sticky_max: int = 200_000, assignment_key: bytes | None = None) -> None:
         self.database_url = database_url
+        # The proxy passes a key derived from the master key (stable across restarts and
+        # instances); without one (unit use) a random key still gives unpredictable,
+        # order-independent arms, kept across a restart by the journal.
+        self.assignment_key = assignment_key or os.urandom(32)
         self.snapshot_path = snapshot_path
         self.journal_path = journal_path
         self.refresh_seconds = refresh_seconds
@@ -286,7 +306,6 @@ class RoutingTable(PolledConnection):
         # Event loop only: trajectory id -> (route id or 0, arm); 0/"" = seen without a route.
         self.sessions: collections.OrderedDict[str, tuple[int, str]] = \
             collections.OrderedDict()
-        self.counters: dict[int, int] = {}
         # Assignments to journal: appended by the event loop, drained by the thread (deque
         # append/popleft are thread-safe).
         self._journal: collections.deque[tuple[int, str, str]] = collections.deque()
@@ -323,7 +342,7 @@ class RoutingTable(PolledConnection):
         if known is not None and known[0] == route.route_id:
             arm = known[1]
         elif known is None and source in NEW_SOURCES:
-            arm = self._assign(route)
+            arm = self._assign(route, trajectory_id)
             self._remember(trajectory_id, (route.route_id, arm))
             self._journal.append((route.route_id, trajectory_id, arm))
         else:
@@ -351,12 +370,11 @@ class RoutingTable(PolledConnection):
             return tuple(u for u in active if u.update_id != route.context_update_id)
         return active
 
-    def _assign(self, route: Route) -> str:
+    def _assign(self, route: Route, trajectory_id: str) -> str:
         if route.status == "promoted":
             return CANDIDATE
-        k = self.counters.get(route.route_id, 0)
-        self.counters[route.route_id] = k + 1
-        return CANDIDATE if takes_candidate(k, route.share) else CONTROL
+        return CANDIDATE if takes_candidate(self.assignment_key, route.route_id,
+                                            trajectory_id, route.share) else CONTROL
 
     def _remember(self, trajectory_id: str, value: tuple[int, str]) -> None:
         sessions = self.sessions
@@ -624,9 +642,6 @@ class RoutingTable(PolledConnection):
         for route_id, trajectory_id, arm in kept[-self.sticky_max:]:
             self.sessions[trajectory_id] = (route_id, arm)
             self.sessions.move_to_end(trajectory_id)
-        for route_id in live or {r for r, _, _ in kept}:
-            # Continue each route's sequence where it stopped (keeps the share exact).
-            self.counters[route_id] = sum(1 for r, _, _ in kept if r == route_id)
         try:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_bytes(b"".join(orjson.dumps(list(e)) + b"\n" for e in kept))

@@ -30,17 +30,19 @@ from governance.routing import (
     decide,
     get_context_update,
     get_route,
+    msprt,
+    msprt_log_likelihood_ratio,
     promote_route,
     reject_context_update,
     rollback_context_update,
     rollback_route,
+    sequential_decision,
     start_canary,
     stop_route,
-    student_t_two_sided_p,
-    welch_t_test,
 )
 from governance.services import ServiceConflict, ServiceError, ensure_agent
 from tests.live import wait_for_key
+from tests.welch import student_t_two_sided_p, welch_p, welch_t_test
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,6 +71,95 @@ def test_student_t_tail_matches_tables():
     # t density: p = 0.080781.
     assert t == pytest.approx(2.0) and df == pytest.approx(7.941176, abs=1e-5)
     assert p == pytest.approx(0.080781, abs=1e-5)
+
+
+def test_msprt_likelihood_ratio_by_hand():
+    # delta 0.1, V 0.01, tau^2 0.03: 0.5 ln(0.01 / 0.04) + 0.03 * 0.01 / (2 * 0.01 * 0.04)
+    # = -0.693147 + 0.375.
+    assert msprt_log_likelihood_ratio(0.1, 0.01, 0.03) == pytest.approx(-0.318147, abs=1e-6)
+    assert msprt_log_likelihood_ratio(0.0, 0.01, 0.03) < 0  # no difference: evidence for H0
+    assert msprt_log_likelihood_ratio(0.3, 0.0, 0.03) == math.inf
+    # The p-value is 1/Lambda: 200 sessions per arm, means 0.5 / 0.6, variances 0.25: V =
+    # 0.0025, tau^2 = 0.25 * 0.25 = 0.0625.
+    p, log_lr = msprt(200, 0.5, 0.25, 200, 0.6, 0.25)
+    expected = 0.5 * math.log(0.0025 / 0.065) + 0.0625 * 0.01 / (2 * 0.0025 * 0.065)
+    assert log_lr == pytest.approx(expected) and p == pytest.approx(math.exp(-expected))
+    assert sequential_decision(200, 0.5, 0.25, 200, 0.6, 0.25) == ("wait", p)  # p = 0.28
+    assert sequential_decision(200, 0.5, 0.25, 200, 0.7, 0.25)[0] == "promote"
+    assert sequential_decision(200, 0.7, 0.25, 200, 0.5, 0.25)[0] == "rollback"
+
+
+# --- the reward rule under continuous monitoring (simulated canaries) ---------------------
+#
+# A canary as the beat task sees it: every look (30 s) 27 more control and 3 more candidate
+# sessions (share 0.1) with a 0/1 reward, decided as soon as both arms have 30 rewards, and
+# ended at the first promote or rollback. 1000 canaries of 100 looks each (2700 + 300
+# sessions). Summary statistics are drawn per look with numpy (binomial batch sums), so the
+# whole run takes about a second per rule.
+
+LOOKS, CONTROL_PER_LOOK, CANDIDATE_PER_LOOK, MIN_PER_ARM = 100, 27, 3, 30
+
+
+def simulated_canaries(rule, p_control: float, p_candidate: float, n: int,
+                       seed: int, looks: int = LOOKS) -> dict[str, int]:
+    """How n simulated canaries end under `rule(n_c, mean_c, var_c, n_k, mean_k, var_k) ->
+    decision`: {"promote": .., "rollback": .., "wait": ..} (wait: undecided at the end)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sums_c = rng.binomial(CONTROL_PER_LOOK, p_control, size=(n, looks)).cumsum(axis=1)
+    sums_k = rng.binomial(CANDIDATE_PER_LOOK, p_candidate, size=(n, looks)).cumsum(axis=1)
+    n_c = CONTROL_PER_LOOK * np.arange(1, looks + 1)
+    n_k = CANDIDATE_PER_LOOK * np.arange(1, looks + 1)
+    first = int(np.argmax(np.minimum(n_c, n_k) >= MIN_PER_ARM))
+    outcomes = {"promote": 0, "rollback": 0, "wait": 0}
+    for sc, sk in zip(sums_c.tolist(), sums_k.tolist(), strict=True):
+        decision = "wait"
+        for look in range(first, looks):
+            nc, nk = int(n_c[look]), int(n_k[look])
+            mc, mk = sc[look] / nc, sk[look] / nk
+            # 0/1 rewards: the sample variance is n/(n-1) * m(1-m).
+            decision = rule(nc, mc, nc / (nc - 1) * mc * (1 - mc),
+                            nk, mk, nk / (nk - 1) * mk * (1 - mk))
+            if decision != "wait":
+                break
+        outcomes[decision] += 1
+    return outcomes
+
+
+def msprt_rule(*stats) -> str:
+    return sequential_decision(*stats)[0]
+
+
+def old_welch_peeking_rule(nc, mc, vc, nk, mk, vk) -> str:
+    """The replaced rule: Welch's fixed-sample test at every look, decide on p < 0.05."""
+    p = welch_p(nc, mc, vc, nk, mk, vk)
+    return "wait" if p >= 0.05 else ("promote" if mk > mc else "rollback")
+
+
+def test_no_better_candidate_is_promoted_at_the_nominal_rate_under_continuous_monitoring():
+    n, alpha = 1000, routing.ALPHA
+    # alpha plus three binomial standard deviations of a rate measured on n canaries.
+    bound = alpha + 3 * math.sqrt(alpha * (1 - alpha) / n)
+    sequential = simulated_canaries(msprt_rule, 0.6, 0.6, n, seed=13)
+    peeking = simulated_canaries(old_welch_peeking_rule, 0.6, 0.6, n, seed=13)
+    print(f"candidate == control, {LOOKS} looks, {n} canaries: mSPRT {sequential}, "
+          f"Welch at every look {peeking}")
+    assert sequential["promote"] / n <= bound
+    assert (sequential["promote"] + sequential["rollback"]) / n <= bound
+    # Why it was replaced: the same canaries, judged by the fixed-sample test at every look,
+    # promote a candidate that is no better several times as often as the nominal 5 %.
+    assert peeking["promote"] / n > bound
+    assert peeking["promote"] > 2 * max(sequential["promote"], 1)
+
+
+def test_a_real_improvement_is_promoted_and_a_real_regression_rolled_back():
+    n = 200
+    better = simulated_canaries(msprt_rule, 0.5, 0.7, n, seed=5, looks=150)
+    worse = simulated_canaries(msprt_rule, 0.7, 0.5, n, seed=6, looks=150)
+    print(f"0.5 -> 0.7: {better}; 0.7 -> 0.5: {worse}")
+    assert better["promote"] / n >= 0.9 and better["rollback"] == 0
+    assert worse["rollback"] / n >= 0.9 and worse["promote"] == 0
 
 
 def rewards(rng: random.Random, n: int, mean: float, sd: float = 0.2) -> list[float]:

@@ -1,9 +1,11 @@
-"""Canary routing in the proxy (issue 7): deterministic share, sticky sessions, context updates
-applied only for their tenant and agent, and rollbacks in force on the very next request —
-through the real proxy (mitmdump + addon), the official openai client and the demo upstream."""
+"""Canary routing in the proxy (issue 7): keyed-hash assignment (share within a point), sticky
+sessions, context updates applied only for their tenant and agent, and rollbacks in force on the
+very next request — through the real proxy (mitmdump + addon), the official openai client and
+the demo upstream."""
 
 from __future__ import annotations
 
+import hmac
 import time
 import uuid
 from pathlib import Path
@@ -12,7 +14,9 @@ import openai
 import orjson
 import pytest
 
+from proxy.ids import session_trajectory_id
 from proxy.routing import (
+    ASSIGNMENT_KEY_PURPOSE,
     CANDIDATE,
     CONTROL,
     Plan,
@@ -43,22 +47,46 @@ def table_with(routes: list[Route], updates: list[Update] = (), **kw) -> Routing
 
 
 @pytest.mark.parametrize("share", [0.01, 0.05, 0.1, 0.2, 1 / 3, 0.5, 0.95])
-def test_share_of_new_sessions_is_within_one_point_over_2000(share):
-    table = table_with([Route(7, 1, 2, "canary", share, "", "cand", None)])
-    arms = [table.plan(1, 2, str(uuid.uuid4()), "new").arm for _ in range(2000)]
+def test_share_of_new_sessions_is_within_one_point_over_20000(share):
+    # A fixed key and fixed sessions, so the run is reproducible (a random key would fail
+    # this 3-sigma check about once in 400 runs per share).
+    table = table_with([Route(7, 1, 2, "canary", share, "", "cand", None)],
+                       assignment_key=b"steward-test-assignment-key-0001")
+    arms = [table.plan(1, 2, session_trajectory_id(1, 2, f"user-{i}"), "session").arm
+            for i in range(20_000)]
     candidates = arms.count(CANDIDATE)
-    assert abs(candidates / 2000 - share) <= 0.01, (share, candidates)
-    # Low discrepancy at every prefix, not only at the end: never a full session off.
-    running = 0
-    for n, arm in enumerate(arms, start=1):
-        running += arm == CANDIDATE
-        assert abs(running - n * share) < 1 + 1e-9
-    print(f"share {share:.4f}: {candidates}/2000 = {candidates / 2000:.4f}")
+    assert abs(candidates / 20_000 - share) <= 0.01, (share, candidates)
+    print(f"share {share:.4f}: {candidates}/20000 = {candidates / 20_000:.4f}")
 
 
-def test_takes_candidate_counts_exactly():
-    for share in (0.05, 0.1, 0.25, 0.3, 0.7):
-        assert sum(takes_candidate(k, share) for k in range(2000)) == round(2000 * share)
+def test_assignment_is_a_keyed_hash_of_the_session_not_its_arrival_order():
+    key = bytes(range(32))
+    ids = [session_trajectory_id(1, 2, f"session-{i}") for i in range(2000)]
+    route = Route(7, 1, 2, "canary", 0.3, "", "cand", None)
+    first = table_with([route], assignment_key=key)
+    arms = {i: first.plan(1, 2, i, "session").arm for i in ids}
+    # Another instance (or a restart) with the same key, sessions arriving in another order:
+    # the same arm for every session.
+    other = table_with([route], assignment_key=key)
+    for i in reversed(ids):
+        assert other.plan(1, 2, i, "session").arm == arms[i]
+    # It is the HMAC of "<route>:<trajectory id>" under the key, compared with the share.
+    for i in ids[:50]:
+        point = int.from_bytes(hmac.digest(key, f"7:{i}".encode(), "sha256")[:8],
+                               "big") / 2**64
+        assert (arms[i] == CANDIDATE) == (point < 0.3) == takes_candidate(key, 7, i, 0.3)
+    # Without the key the arms cannot be predicted: another key assigns other sessions (about
+    # 2 * 0.3 * 0.7 = 42 % of them differ), and the next route re-draws every session.
+    stranger = table_with([route], assignment_key=b"x" * 32)
+    differ = sum(stranger.plan(1, 2, i, "session").arm != arms[i] for i in ids) / len(ids)
+    assert 0.35 < differ < 0.49, differ
+    next_route = sum(takes_candidate(key, 8, i, 0.3) != (arms[i] == CANDIDATE)
+                     for i in ids) / len(ids)
+    assert 0.35 < next_route < 0.49, next_route
+    # Arrival order no longer decides: the first sessions are not a fixed pattern (the old
+    # counter put exactly the 4th, 7th, 10th... session on the candidate at share 0.3).
+    assert [arms[i] == CANDIDATE for i in ids[:10]] != [
+        (k + 1) * 3 // 10 > k * 3 // 10 for k in range(10)]
 
 
 def test_sessions_are_sticky_and_only_new_ones_are_assigned():
@@ -121,9 +149,7 @@ def test_assignments_survive_a_restart_through_the_journal(tmp_path):
     restarted.load_initial()
     assert restarted.loaded_from == "snapshot"
     assert {i: restarted.plan(1, 2, i, "session").arm for i in ids} == arms
-    # The sequence continues where it stopped: the share stays exact across the restart.
-    more = [restarted.plan(1, 2, str(uuid.uuid4()), "new").arm for _ in range(60)]
-    assert (list(arms.values()) + more).count(CANDIDATE) == 30
+    # (Each table has its own random key here: the arms come from the journal, not the hash.)
 
 
 def test_a_notification_that_arrived_is_applied_before_the_next_plan(db):
@@ -351,15 +377,24 @@ def test_share_and_stickiness_end_to_end(world, start_proxy, fake_upstream, cand
         arms[session] = raw.headers["x-steward-trajectory"]
     cand = [orjson.loads(r["body"]) for r in candidate_upstream.requests]
     control = [orjson.loads(r["body"]) for r in fake_upstream.requests]
-    # Deterministic: exactly floor(200 * 0.1) new sessions on the candidate.
-    assert len(cand) == 20 and len(control) == 180
+    # The keyed hash of each session's trajectory id under the proxy's key (derived from the
+    # master key) decides: exactly the sessions it puts below the share are on the candidate.
+    import os
+
+    from governance.crypto import derive_key, load_master_key
+
+    key = derive_key(load_master_key(os.environ["STEWARD_MASTER_KEY"]),
+                     ASSIGNMENT_KEY_PURPOSE)
+    hashed = {s for s, traj in arms.items() if takes_candidate(key, route.pk, traj, 0.1)}
+    assert len(cand) == len(hashed) and len(control) == 200 - len(hashed)
+    assert 5 <= len(hashed) <= 40  # Binomial(200, 0.1): 20 +- 4
     assert {b["model"] for b in cand} == {"cand-model"}
     assert {b["model"] for b in control} == {"demo-model"}
 
     # Sticky: each session's later calls (with the answer appended) stay on its arm.
     records = {r["trajectory_id"]: r for r in proxy.wait_for_records(200)}
     on_candidate = [s for s in arms if records[arms[s]]["routing"]["route"]["arm"] == CANDIDATE]
-    assert len(on_candidate) == 20
+    assert set(on_candidate) == hashed
     for session in [*on_candidate[:5], "s-0", "s-1", "s-2"]:
         expected = records[arms[session]]["routing"]["route"]["arm"]
         for _ in range(3):
@@ -372,8 +407,8 @@ def test_share_and_stickiness_end_to_end(world, start_proxy, fake_upstream, cand
     all_records = proxy.wait_for_records(200 + 24)
     ship_and_build(tmp_path / "ship", all_records)
     trajs = Trajectory.objects.filter(route=route)
-    assert trajs.filter(route_arm=CANDIDATE).count() == 20
-    assert trajs.filter(route_arm=CONTROL).count() == 180
+    assert trajs.filter(route_arm=CANDIDATE).count() == len(hashed)
+    assert trajs.filter(route_arm=CONTROL).count() == 200 - len(hashed)
     step = Step.objects.filter(trajectory__route_arm=CANDIDATE).first()
     assert step.versions["route"] == {"id": route.pk, "arm": CANDIDATE}
     assert step.versions["gen_ai.request.model"] == "cand-model"

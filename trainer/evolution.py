@@ -200,16 +200,62 @@ def canary_decision(route_status: str, route_reason: str,
 
 # --- detectors -----------------------------------------------------------------------------
 
-_REFUSAL = re.compile(
-    r"\b(i\s*(?:can(?:'|no)?t|cannot|won'?t|will not|am not able to|'m not able to|am unable "
-    r"to|'m unable to|must decline|refuse)|i'?m sorry,? but|sorry,? (?:but )?i (?:can|won)|"
-    r"not able to (?:help|assist)|can'?t (?:help|assist) with|against (?:my|the) "
-    r"(?:policy|policies|guidelines)|as an ai\b)", re.IGNORECASE)
+# A refusal declines the request in the first person. Bare words ("can't", "sorry", "as an
+# AI") are not enough: "I can't wait to help", "I cannot stress enough", "Sorry for the delay"
+# and "As an AI, I have no opinions, but here are the arguments" all go on to answer. So a
+# first-person negation must govern an act of assisting (help, provide, write, comply, ...),
+# or the answer declines outright (decline / refuse / "not something I can help with" /
+# discomfort / a policy), or an apology leads straight into "I can't". The phrasings come from
+# the refusals of deployed chat models (GPT-4-, Llama-, Claude-, Gemma- and Qwen-style).
+_NEGATION = (r"(?:can(?:'|no)?t|cannot|won'?t(?: be able to)?|will not(?: be able to)?|"
+             r"wouldn'?t|would not|shouldn'?t|should not|must not|'d rather not|would rather "
+             r"not|am not (?:able|allowed|permitted|going) to|'m not (?:able|allowed|permitted|"
+             r"going) to|am unable to|'m unable to|am not in a position to|'m not in a "
+             r"position to)")
+_ASSIST = (r"(?:help(?!\s+(?:but|thinking|wondering|noticing|feeling)\b)|assist|provide|"
+           r"give|share|create|write|generate|produce|make|do|comply|fulfil+|complete|support|"
+           r"engage|participate|answer|continue|offer|explain|describe|walk you|supply|"
+           r"facilitate|contribute|take part|go along|be of (?:help|assistance)|be part)")
+# Words that may stand between the negation and the act ("I can't in good conscience
+# help"); anything else ("I can't wait to help") is not a refusal.
+_BETWEEN = (r"(?:(?:really|possibly|actually|personally|directly|further|in good conscience|"
+            r"ethically|responsibly|legally|safely|and will not|and won'?t|or will not|be "
+            r"able to|help you|assist you|go ahead and|proceed to)\s+){0,2}")
+_REFUSALS = [
+    # "I can't help with that", "I cannot and will not provide", "I won't write that".
+    rf"\bI\s*{_NEGATION}\s+{_BETWEEN}{_ASSIST}\b",
+    # "I don't provide ...", "I do not create ...", "I don't think I can help".
+    r"\bI\s*(?:don'?t|do not)\s+(?:provide|give|share|create|write|generate|assist|help "
+    r"with|engage in|support|produce|offer)\b",
+    r"\bI\s*(?:don'?t|do not) think I (?:can|should|could)\b",
+    # "I must (respectfully) decline", "I'll have to decline", "I refuse".
+    r"\b(?:must|have to|need to|going to have to)\s+(?:\w+\s+)?decline\b",
+    r"\bI\s+(?:\w+\s+)?(?:decline|refuse)\b",
+    # "That's not something I can help with".
+    r"\bnot\s+(?:something|anything|a request|a task|a topic)\s+(?:that\s+)?I\s*(?:can|"
+    r"could|will|am able|'m able|feel comfortable|am comfortable|'m comfortable)\b",
+    # Discomfort.
+    r"\bI\s*(?:'m|am) not comfortable\b|\bI\s*(?:don'?t|do not) feel comfortable\b|"
+    r"\bI\s*(?:'m|am) uncomfortable\b",
+    # A policy, a programming, "I'm just an AI".
+    r"\b(?:against|violates?|outside|not within) (?:my|the|our|openai's|these) (?:\w+\s+)?"
+    r"(?:policy|policies|guidelines|principles|programming|values|usage rules)\b",
+    r"\bI\s*(?:'m|am) (?:just|only) an AI\b",
+    # "Unable to help" without the "I" ("Unfortunately, unable to assist").
+    r"\b(?:unable|not able|not allowed|not permitted|not in a position) to (?:help|assist|"
+    r"provide|comply|fulfil+|share|create|support|give)\b",
+    # An apology leading straight into a first-person negation: "I'm afraid I can't".
+    rf"\b(?:I'?m sorry|I am sorry|sorry|I apologi[sz]e|my apologies|unfortunately|I'?m "
+    rf"afraid|I am afraid)\b[^.!?\n]{{0,40}}?\bI\s*(?:{_NEGATION}|must|have to|'ll have to)\b",
+]
+_REFUSAL = re.compile("|".join(f"(?:{r})" for r in _REFUSALS), re.IGNORECASE)
+_QUOTES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 
 
 def is_refusal(text: str) -> bool:
-    """A refusal: the answer's opening (first 200 characters) declines the request."""
-    return bool(_REFUSAL.search((text or "")[:200]))
+    """A refusal: the answer's opening (first 200 characters) declines the request (the
+    patterns above; typographic apostrophes count as plain ones)."""
+    return bool(_REFUSAL.search((text or "")[:200].translate(_QUOTES)))
 
 
 _FORMAT_ONLY = re.compile(r"^[\s{}\[\]()<>\"'`.,:;|\\/*#_=-]*(?:boxed|answer|json|tool_call)?"

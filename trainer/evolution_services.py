@@ -287,8 +287,10 @@ def latest_results(candidate: Candidate) -> dict[str, GateResult]:
     return out
 
 
-def _record_gate(actor: Any, cand: Candidate, decision: ev.Decision) -> GateResult:
-    """Store a gate's verdict and move the candidate (inside its tenant's transaction)."""
+def _record_gate(actor: Any, cand: Candidate, decision: ev.Decision, *,
+                 hash_reason: bool = False) -> GateResult:
+    """Store a gate's verdict and move the candidate (inside its tenant's transaction).
+    hash_reason: a system actor records a person's text (only its SHA-256 goes in)."""
     result = GateResult.objects.create(
         tenant_id=cand.tenant_id, candidate=cand, gate=decision.gate, passed=decision.passed,
         metrics=json.loads(json.dumps(decision.metrics, default=str)),
@@ -296,11 +298,14 @@ def _record_gate(actor: Any, cand: Candidate, decision: ev.Decision) -> GateResu
     record_event(actor, "candidate.gate", tenant=cand.tenant_id, object_type="candidate",
                  object_id=cand.pk,
                  payload={"gate": decision.gate, "passed": decision.passed,
-                          "result": result.pk, **_reason_payload(actor, decision.reason)})
+                          "result": result.pk,
+                          **({"reason_sha256": _digest(decision.reason)} if hash_reason
+                             else _reason_payload(actor, decision.reason))})
     return result
 
 
-def _stop(actor: Any, cand: Candidate, status: str, reason: str) -> None:
+def _stop(actor: Any, cand: Candidate, status: str, reason: str,
+          hash_reason: bool = False) -> None:
     cand.status = status
     cand.reason = reason[:4000]
     cand.finished_at = timezone.now()
@@ -310,8 +315,10 @@ def _stop(actor: Any, cand: Candidate, status: str, reason: str) -> None:
 
         reject_context_update(actor, cand.context_update, f"candidate {cand.pk}: {reason}")
     record_event(actor, f"candidate.{status}", tenant=cand.tenant_id, object_type="candidate",
-                 object_id=cand.pk, payload={"stage": cand.stage,
-                                             **_reason_payload(actor, reason)})
+                 object_id=cand.pk,
+                 payload={"stage": cand.stage,
+                          **({"reason_sha256": _digest(reason)} if hash_reason
+                             else _reason_payload(actor, reason))})
 
 
 def record_offline_gate(candidate_id: int, tenant_id: int, decision: ev.Decision) -> bool:
@@ -351,13 +358,31 @@ def _model_dir(ckpt: Checkpoint) -> Path:
     return Path(ckpt.path) / "model"
 
 
+class EngineUnavailable(ServiceConflict):
+    """The serving engine did not answer (as opposed to answering with a refusal): the push
+    task retries it a bounded number of times."""
+
+
 def push_weights(url: str, path: Path, weight_version: str) -> dict[str, Any]:
     """Load weights into an SGLang server (pause -> /update_weights_from_disk -> continue).
-    RolloutError -> ServiceError (shown to the person, stored as the gate's reason)."""
-    from trainer.rollout import RolloutError
+    RolloutError -> ServiceError (shown to the person, stored as the gate's reason);
+    EngineUnavailable when the engine could not be reached at all.
 
+    Never inside a transaction: the push can take minutes (600 s timeout), and a transaction
+    held across it would hold its row locks — and, once an audit event is written, the global
+    audit lock that every audited write of every tenant waits for — and could still roll back
+    after the engine already serves the weights. Callers record intent, commit, push, then
+    record the outcome (push_candidate_weights)."""
+    from django.db import connection
+
+    from trainer.rollout import EngineUnreachable, RolloutError
+
+    if connection.in_atomic_block:
+        raise RuntimeError("weights are never pushed inside a database transaction")
     try:
         _sglang(url).update_weights_from_disk(path, weight_version)
+    except (EngineUnreachable, TimeoutError) as e:
+        raise EngineUnavailable(f"the serving engine did not answer: {e}") from None
     except RolloutError as e:
         raise ServiceConflict(f"the serving engine refused the weights: {e}") from None
     return {"engine": url, "path": str(path), "weight_version": weight_version, "pushed": True}
@@ -395,6 +420,21 @@ def start_candidate_canary(candidate_id: int, tenant_id: int) -> str:
     from governance.routing import start_canary
 
     th = thresholds_for(tenant_id)
+    canary_url = setting("STEWARD_SGLANG_CANARY_URL")
+    # The push to the canary engine happens before the locked transaction below, never
+    # inside it (push_weights); the candidate is re-checked under the lock afterwards.
+    pushed: dict[str, Any] | ServiceError | None = None
+    with tenant_context(tenant_id):
+        cand = Candidate.objects.select_related("checkpoint").get(pk=candidate_id)
+        needs_push = (cand.status == Candidate.Status.PASSED and cand.stage == "canary"
+                      and cand.kind == "weights" and cand.checkpoint_id
+                      and not cand.upstream_url)
+    if needs_push and canary_url:
+        try:
+            pushed = push_weights(canary_url, _model_dir(cand.checkpoint),
+                                  _weight_version(cand.checkpoint))
+        except ServiceError as e:
+            pushed = e
     with tenant_context(tenant_id):
         cand = (Candidate.objects.select_for_update(of=("self",)).select_related(
             "checkpoint", "context_update", "agent", "tenant").get(pk=candidate_id))
@@ -402,7 +442,8 @@ def start_candidate_canary(candidate_id: int, tenant_id: int) -> str:
             return "skipped"
         upstream, model, serving = cand.upstream_url, cand.model, dict(cand.serving or {})
         if cand.kind == "weights" and cand.checkpoint_id and not upstream:
-            canary_url = setting("STEWARD_SGLANG_CANARY_URL")
+            if pushed is None and canary_url:  # became pushable after the first read
+                return "skipped"  # advance_candidates tries again
             if not canary_url:
                 _record_gate(SYSTEM_ACTOR, cand, ev.Decision(
                     "canary", False, "no engine serves the candidate's weights for a canary: "
@@ -411,13 +452,12 @@ def start_candidate_canary(candidate_id: int, tenant_id: int) -> str:
                 _stop(SYSTEM_ACTOR, cand, Candidate.Status.FAILED,
                       "stopped at Canary: no engine serves the candidate's weights")
                 return "failed"
-            try:
-                serving["canary"] = push_weights(canary_url, _model_dir(cand.checkpoint),
-                                                 _weight_version(cand.checkpoint))
-            except ServiceError as e:
-                _record_gate(SYSTEM_ACTOR, cand, ev.Decision("canary", False, str(e)))
-                _stop(SYSTEM_ACTOR, cand, Candidate.Status.FAILED, f"stopped at Canary: {e}")
+            if isinstance(pushed, ServiceError):
+                _record_gate(SYSTEM_ACTOR, cand, ev.Decision("canary", False, str(pushed)))
+                _stop(SYSTEM_ACTOR, cand, Candidate.Status.FAILED,
+                      f"stopped at Canary: {pushed}")
                 return "failed"
+            serving["canary"] = pushed
             upstream = canary_url
         try:
             with transaction.atomic():
@@ -474,14 +514,73 @@ def follow_route(candidate_id: int, tenant_id: int) -> str:
     if decision is None:
         return "wait"
     if decision.passed:
-        promote_candidate(SYSTEM_ACTOR, cand, f"the canary was promoted: {decision.reason}",
-                          _canary=decision)
-        return "promoted"
+        cand = promote_candidate(SYSTEM_ACTOR, cand,
+                                 f"the canary was promoted: {decision.reason}",
+                                 _canary=decision)
+        return "promoting" if cand.status == Candidate.Status.PROMOTING else "promoted"
     _rollback(SYSTEM_ACTOR, cand, decision.reason, _canary=decision)
     return "rolled_back"
 
 
 # --- promote and rollback -----------------------------------------------------------------
+#
+# A weight push can take minutes; it is never done inside a transaction (push_weights). A
+# promote or rollback that must push weights records its intent — status promoting or
+# rolling_back, the push plan in `serving` (engine, path, weight version), an audit event —
+# and commits; the gpu-queue task trainer.evolution_tasks.push_candidate_weights (enqueued
+# at commit) claims the candidate with a conditional UPDATE, pushes with no transaction
+# open, and records the outcome in its own audited transaction (record_push_outcome):
+# promoting -> promoted | push_failed, rolling_back -> rolled_back | promoted (the previous
+# weights could not be restored, so production still serves this candidate's). Until the
+# outcome is recorded the database never claims what the engine does not serve.
+
+PUSH_STALE = timedelta(minutes=15)  # > the 600 s push timeout: the claimant is gone
+
+
+def _enqueue_push(candidate_id: int) -> None:
+    from trainer.evolution_tasks import push_candidate_weights
+
+    push_candidate_weights.delay(candidate_id)
+
+
+def _finish_promotion(actor: Any, cand: Candidate, reason: str,
+                      serving: dict[str, Any], hash_reason: bool = False) -> None:
+    """The database side of a promotion, once production serves the candidate (or nothing
+    had to be pushed): the route promoted, then stopped when it is no longer needed; the
+    promote gate passed; the candidate promoted; audited. No network call. hash_reason: the
+    push task records the person's reason as "system:evolution"."""
+    from governance.models import PolicyRoute
+    from governance.routing import promote_route, stop_route
+
+    route = (PolicyRoute.objects.select_for_update().filter(pk=cand.route_id).first()
+             if cand.route_id else None)
+    if route is not None and route.status == "canary":
+        route = promote_route(actor, route, reason)
+    if cand.kind == "weights" and cand.checkpoint_id:
+        if route is not None and route.status == "promoted" and (
+                serving["production"]["pushed"] or not cand.upstream_url):
+            # Production now serves these weights: back to the normal upstream, and the
+            # agent is free for its next canary.
+            stop_route(actor, route, f"candidate {cand.pk} promoted; production serves its "
+                       "weights")
+    elif cand.is_context and route is not None and route.status == "promoted":
+        # The update is active for all traffic; the route has done its job.
+        stop_route(actor, route, f"candidate {cand.pk} promoted; its context update is "
+                   "active")
+    note = serving.get("production", {}).get("note") if "production" in serving else None
+    _record_gate(actor, cand, ev.Decision(
+        "promote", True, reason + (f" ({note})" if note else ""), {"serving": serving}),
+        hash_reason=hash_reason)
+    cand.status = Candidate.Status.PROMOTED
+    cand.serving = serving
+    cand.reason = reason
+    cand.finished_at = timezone.now()
+    cand.save(update_fields=["stage", "status", "serving", "reason", "finished_at",
+                             "updated_at"])
+    record_event(actor, "candidate.promoted", tenant=cand.tenant_id, object_type="candidate",
+                 object_id=cand.pk,
+                 payload={"route": cand.route_id, "serving": serving,
+                          "reason_sha256": _digest(reason)})
 
 
 @tenant_atomic("candidate.tenant_id")
@@ -489,12 +588,11 @@ def promote_candidate(actor: Any, candidate: Candidate, reason: str,
                       _canary: ev.Decision | None = None) -> Candidate:
     """The promote gate. Only a candidate that passed shadow eval, replay and safety and whose
     canary started (a person may end the canary early: recorded as the canary gate's result,
-    with who and why). Weights: the
-    checkpoint is pushed to production SGLang (STEWARD_SGLANG_URL) and the route, no longer
-    needed, is stopped; an upstream-served model keeps its promoted route (all new sessions);
-    a context update becomes the agent's active one."""
-    from governance.routing import promote_route, stop_route
-
+    with who and why). Weights with a production engine (STEWARD_SGLANG_URL): the intent is
+    recorded (status promoting) and the push runs after commit in push_candidate_weights,
+    which promotes the candidate (and stops its route) or marks it push_failed. Without an
+    engine, an upstream-served model keeps its promoted route (all new sessions); a context
+    update becomes the agent's active one — both at once, as nothing is pushed."""
     reason = _require_reason(reason)
     _require(actor, candidate.tenant_id, "manage_evolution", "promote a candidate")
     cand = (Candidate.objects.select_for_update(of=("self",))
@@ -505,9 +603,11 @@ def promote_candidate(actor: Any, candidate: Candidate, reason: str,
         missing = [ev.GATE_LABELS[g] for g in OFFLINE_GATES if g not in passed]
         raise ServiceConflict(f"candidate {cand.pk} has not passed {', '.join(missing)}; "
                               "only a candidate through the offline gates can be promoted")
-    if cand.status not in (Candidate.Status.RUNNING, Candidate.Status.PASSED) and not (
+    if cand.status not in (Candidate.Status.RUNNING, Candidate.Status.PASSED,
+                           Candidate.Status.PUSH_FAILED) and not (
             cand.status == Candidate.Status.FAILED and cand.stage == "promote"):
-        raise ServiceConflict(f"candidate {cand.pk} is {cand.status}; it cannot be promoted")
+        raise ServiceConflict(f"candidate {cand.pk} is {cand.get_status_display().lower()}; "
+                              "it cannot be promoted")
     if cand.route_id is None:
         raise ServiceConflict(f"candidate {cand.pk} has no canary yet ({cand.reason or 'its '
                               'canary has not started'}); it reaches production through one")
@@ -523,29 +623,31 @@ def promote_candidate(actor: Any, candidate: Candidate, reason: str,
         _record_gate(actor, cand, _canary)
     cand.stage = "promote"
     serving = dict(cand.serving or {})
+    engine = setting("STEWARD_SGLANG_URL")
+    if cand.kind == "weights" and cand.checkpoint_id and engine:
+        serving["production"] = {"engine": engine, "path": str(_model_dir(cand.checkpoint)),
+                                 "weight_version": _weight_version(cand.checkpoint),
+                                 "pushed": False}
+        cand.status = Candidate.Status.PROMOTING
+        cand.serving = serving
+        cand.reason = reason
+        cand.task_id = ""
+        cand.heartbeat_at = timezone.now()
+        cand.save(update_fields=["stage", "status", "serving", "reason", "task_id",
+                                 "heartbeat_at", "updated_at"])
+        record_event(actor, "candidate.promoting", tenant=cand.tenant_id,
+                     object_type="candidate", object_id=cand.pk,
+                     payload={"route": cand.route_id, "push": serving["production"],
+                              "reason_sha256": _digest(reason)})
+        transaction.on_commit(lambda: _enqueue_push(cand.pk), robust=True)
+        return cand
+    if cand.kind == "weights" and cand.checkpoint_id:
+        serving["production"] = {"engine": None, "pushed": False,
+                                 "note": "no serving engine configured (STEWARD_SGLANG_URL): "
+                                         "no weights pushed"}
     try:
         with transaction.atomic():
-            if route is not None and route.status == "canary":
-                route = promote_route(actor, route, reason)
-            if cand.kind == "weights" and cand.checkpoint_id:
-                engine = setting("STEWARD_SGLANG_URL")
-                if engine:
-                    serving["production"] = push_weights(engine, _model_dir(cand.checkpoint),
-                                                         _weight_version(cand.checkpoint))
-                else:
-                    serving["production"] = {"engine": None, "pushed": False,
-                                             "note": "no serving engine configured "
-                                                     "(STEWARD_SGLANG_URL): no weights pushed"}
-                if route is not None and route.status == "promoted" and (
-                        serving["production"]["pushed"] or not cand.upstream_url):
-                    # Production now serves these weights: back to the normal upstream, and
-                    # the agent is free for its next canary.
-                    stop_route(actor, route, f"candidate {cand.pk} promoted; production "
-                               "serves its weights")
-            elif cand.is_context and route is not None and route.status == "promoted":
-                # The update is active for all traffic; the route has done its job.
-                stop_route(actor, route, f"candidate {cand.pk} promoted; its context update "
-                           "is active")
+            _finish_promotion(actor, cand, reason, serving)
     except ServiceError as e:
         _record_gate(actor, cand, ev.Decision("promote", False, str(e), {"serving": serving}))
         cand.status = Candidate.Status.FAILED
@@ -553,20 +655,6 @@ def promote_candidate(actor: Any, candidate: Candidate, reason: str,
         cand.save(update_fields=["stage", "status", "reason", "updated_at"])
         record_event(actor, "candidate.failed", tenant=cand.tenant_id, object_type="candidate",
                      object_id=cand.pk, payload={"stage": "promote", "error": str(e)[:500]})
-        return cand
-    note = serving.get("production", {}).get("note") if "production" in serving else None
-    _record_gate(actor, cand, ev.Decision(
-        "promote", True, reason + (f" ({note})" if note else ""), {"serving": serving}))
-    cand.status = Candidate.Status.PROMOTED
-    cand.serving = serving
-    cand.reason = reason
-    cand.finished_at = timezone.now()
-    cand.save(update_fields=["stage", "status", "serving", "reason", "finished_at",
-                             "updated_at"])
-    record_event(actor, "candidate.promoted", tenant=cand.tenant_id, object_type="candidate",
-                 object_id=cand.pk,
-                 payload={"route": cand.route_id, "serving": serving,
-                          "reason_sha256": _digest(reason)})
     return cand
 
 
@@ -575,7 +663,7 @@ def rollback_candidate(actor: Any, candidate: Candidate, reason: str) -> Candida
     """Manual, at any time: a candidate in the pipeline is stopped (its canary route rolled
     back); a promoted one is undone — its route rolled back, its context update rolled back,
     its weights replaced on production SGLang by the previously promoted checkpoint's (or the
-    base model's)."""
+    base model's; status rolling_back until push_candidate_weights has restored them)."""
     reason = _require_reason(reason)
     _require(actor, candidate.tenant_id, "rollback_policy", "roll back a policy")
     return _rollback(actor, candidate, reason)
@@ -591,6 +679,9 @@ def _rollback(actor: Any, candidate: Candidate, reason: str,
             .get(pk=candidate.pk))
     if cand.status in (Candidate.Status.FAILED, Candidate.Status.ROLLED_BACK):
         raise ServiceConflict(f"candidate {cand.pk} is already {cand.status.replace('_', ' ')}")
+    if cand.status in Candidate.PUSHING:
+        raise ServiceConflict(f"candidate {cand.pk} is {cand.get_status_display().lower()}; "
+                              "wait for the push's outcome, then decide")
     was_promoted = cand.status == Candidate.Status.PROMOTED
     serving = dict(cand.serving or {})
     route = cand.route
@@ -605,13 +696,26 @@ def _rollback(actor: Any, candidate: Candidate, reason: str,
         path, version, what = _previous_weights(cand)
         engine = setting("STEWARD_SGLANG_URL")
         if engine and path is not None:
-            serving["rollback"] = {**push_weights(engine, path, version), "restored": what}
-        else:
-            serving["rollback"] = {"engine": engine or None, "pushed": False,
-                                   "restored": what,
-                                   "note": "no serving engine configured (STEWARD_SGLANG_URL): "
-                                           "no weights pushed" if not engine else
-                                           "no previous weights known"}
+            serving["rollback"] = {"engine": engine, "path": str(path),
+                                   "weight_version": version, "restored": what,
+                                   "pushed": False}
+            cand.status = Candidate.Status.ROLLING_BACK
+            cand.serving = serving
+            cand.reason = f"rolling back: {reason}"[:4000]
+            cand.task_id = ""
+            cand.heartbeat_at = timezone.now()
+            cand.save(update_fields=["status", "serving", "reason", "task_id", "heartbeat_at",
+                                     "updated_at"])
+            record_event(actor, "candidate.rolling_back", tenant=cand.tenant_id,
+                         object_type="candidate", object_id=cand.pk,
+                         payload={"push": serving["rollback"],
+                                  **_reason_payload(actor, reason)})
+            transaction.on_commit(lambda: _enqueue_push(cand.pk), robust=True)
+            return cand
+        serving["rollback"] = {"engine": engine or None, "pushed": False, "restored": what,
+                               "note": "no serving engine configured (STEWARD_SGLANG_URL): "
+                                       "no weights pushed" if not engine else
+                                       "no previous weights known"}
     if _canary is not None and cand.stage == "canary":
         _record_gate(actor, cand, _canary)
     cand.serving = serving
@@ -623,6 +727,106 @@ def _rollback(actor: Any, candidate: Candidate, reason: str,
     return cand
 
 
+def claim_push(candidate_id: int, tenant_id: int, task_id: str) -> dict[str, Any] | None:
+    """push_candidate_weights' claim: a conditional UPDATE on a promoting / rolling_back
+    candidate nobody holds (no task yet, this same task — a retry or a redelivery — or a
+    claimant silent for PUSH_STALE). Returns the push plan ({"which": "production" |
+    "rollback", "engine", "path", "weight_version", "refusal"}) or None: nothing to do (a
+    duplicate message, or the outcome is already recorded)."""
+    now = timezone.now()
+    with tenant_context(tenant_id):
+        claimed = (Candidate.objects.filter(pk=candidate_id, status__in=Candidate.PUSHING)
+                   .filter(Q(task_id="") | Q(task_id=task_id)
+                           | Q(heartbeat_at__lt=now - PUSH_STALE))
+                   .update(task_id=task_id, heartbeat_at=now))
+        if not claimed:
+            return None
+        cand = Candidate.objects.select_related("checkpoint", "checkpoint__job").get(
+            pk=candidate_id)
+        which = "production" if cand.status == Candidate.Status.PROMOTING else "rollback"
+        plan = dict((cand.serving or {}).get(which) or {})
+        # Promoting weights an erasure tainted meanwhile: refused without pushing. A rollback
+        # is never refused (it takes a tainted checkpoint off production).
+        refusal = checkpoint_refusal(cand.checkpoint) \
+            if which == "production" and cand.checkpoint_id else None
+        record_event(SYSTEM_ACTOR, "candidate.push_started", tenant=tenant_id,
+                     object_type="candidate", object_id=candidate_id,
+                     payload={"which": which, "engine": plan.get("engine"),
+                              "weight_version": plan.get("weight_version"),
+                              "task_id": task_id})
+    return {**plan, "which": which, "refusal": refusal}
+
+
+def record_push_outcome(candidate_id: int, tenant_id: int, task_id: str,
+                        error: str | None) -> str:
+    """push_candidate_weights, after the push (error None: the engine took the weights), in
+    its own audited transaction; only the task holding the claim records. Returns the
+    candidate's new status, or "skipped"."""
+    with tenant_context(tenant_id):
+        cand = (Candidate.objects.select_for_update(of=("self",))
+                .select_related("route", "checkpoint", "context_update").get(pk=candidate_id))
+        if cand.status not in Candidate.PUSHING or cand.task_id != task_id:
+            return "skipped"
+        serving = dict(cand.serving or {})
+        which = "production" if cand.status == Candidate.Status.PROMOTING else "rollback"
+        outcome = {**serving.get(which, {}), "pushed": error is None}
+        if error is not None:
+            outcome["error"] = error[:500]
+        serving[which] = outcome
+        if which == "production" and error is None:
+            _finish_promotion(SYSTEM_ACTOR, cand, cand.reason or "promoted", serving,
+                              hash_reason=True)
+        elif which == "production":
+            # The engine does not serve the candidate; the route stays as it was (its canary
+            # share goes on); a person may retry the promotion or roll the candidate back.
+            _record_gate(SYSTEM_ACTOR, cand, ev.Decision("promote", False, error,
+                                                         {"serving": serving}))
+            cand.status = Candidate.Status.PUSH_FAILED
+            cand.serving = serving
+            cand.reason = (f"promote failed: {error}; production still serves the previous "
+                           "weights")[:4000]
+            cand.save(update_fields=["status", "serving", "reason", "updated_at"])
+            record_event(SYSTEM_ACTOR, "candidate.push_failed", tenant=tenant_id,
+                         object_type="candidate", object_id=cand.pk,
+                         payload={"which": which, "serving": serving})
+        elif error is None:
+            cand.serving = serving
+            cand.save(update_fields=["serving", "updated_at"])
+            # cand.reason holds the text of the intent ("rolling back: <why>"), which may
+            # be a person's: only its SHA-256 goes into the chain.
+            why = cand.reason.removeprefix("rolling back: ")
+            _stop(SYSTEM_ACTOR, cand, Candidate.Status.ROLLED_BACK,
+                  f"rolled back: {why} ({outcome.get('restored', 'previous weights')} "
+                  "restored on production)", hash_reason=True)
+        else:
+            # Production still serves this candidate's weights: the database says so.
+            cand.status = Candidate.Status.PROMOTED
+            cand.serving = serving
+            cand.reason = (f"rollback failed: {error}; production still serves this "
+                           "candidate's weights")[:4000]
+            cand.save(update_fields=["status", "serving", "reason", "updated_at"])
+            record_event(SYSTEM_ACTOR, "candidate.rollback_failed", tenant=tenant_id,
+                         object_type="candidate", object_id=cand.pk,
+                         payload={"which": which, "serving": serving})
+        return cand.status
+
+
+def resend_stale_pushes(tenant_id: int) -> int:
+    """advance_candidates: a promoting / rolling_back candidate whose push message was lost
+    (broker outage) or whose worker died: released (task_id cleared) and sent again."""
+    now = timezone.now()
+    with tenant_context(tenant_id):
+        stale = list(Candidate.objects.for_tenant(tenant_id)
+                     .filter(status__in=Candidate.PUSHING, heartbeat_at__lt=now - PUSH_STALE)
+                     .values_list("pk", flat=True))
+        for pk in stale:
+            if Candidate.objects.filter(pk=pk, status__in=Candidate.PUSHING,
+                                        heartbeat_at__lt=now - PUSH_STALE).update(
+                    task_id="", heartbeat_at=now):
+                transaction.on_commit(lambda pk=pk: _enqueue_push(pk), robust=True)
+    return len(stale)
+
+
 def roll_back_tainted(tenant_id: int) -> list[int]:
     """Erasure tainted a checkpoint that is in the pipeline or serving: the candidate is rolled
     back as "system:evolution" — a live one stops, the agent's current promoted one is replaced
@@ -631,7 +835,9 @@ def roll_back_tainted(tenant_id: int) -> list[int]:
     with tenant_context(tenant_id):
         rows = list(Candidate.objects.for_tenant(tenant_id)
                     .filter(checkpoint__status=Checkpoint.Status.TAINTED)
-                    .filter(Q(status__in=Candidate.LIVE) | Q(status=Candidate.Status.PROMOTED))
+                    .filter(Q(status__in=Candidate.LIVE)
+                            | Q(status__in=[Candidate.Status.PROMOTED,
+                                            Candidate.Status.PUSH_FAILED]))
                     .select_related("checkpoint"))
         current = {}
         for c in (Candidate.objects.for_tenant(tenant_id)

@@ -15,6 +15,14 @@ one candidate, then its canary.
 4. Bounded retries (3) on database connection errors; any other error stops the candidate at
    the gate it was on, with the error as the reason.
 
+`push_candidate_weights(candidate_id)` (queue `gpu`): the weight push of a promotion or a
+rollback, recorded as intent by trainer.evolution_services (status promoting / rolling_back)
+and enqueued when that transaction commits. Claims with a conditional UPDATE (a duplicate
+message or a finished push claims nothing), pushes with no transaction open, and records the
+outcome in its own audited transaction. Bounded retries: MAX_RETRIES when the engine does not
+answer or the database connection drops; an engine that answers with a refusal is final
+(push_failed). advance_candidates re-sends a push whose message or worker was lost.
+
 `advance_candidates()` (beat): follows every canary route's decision into the promote gate or
 a rollback, starts canaries that waited for the agent's previous route to end, re-sends the
 message of a candidate left pending (a broker outage loses it), and rolls back a candidate
@@ -331,6 +339,35 @@ def run_gates(self: Any, candidate_id: int) -> str:
         raise self.retry(exc=exc, countdown=5 * (self.request.retries + 1)) from exc
 
 
+@shared_task(bind=True, name="trainer.evolution_tasks.push_candidate_weights", acks_late=True,
+             max_retries=MAX_RETRIES)
+def push_candidate_weights(self: Any, candidate_id: int) -> str:
+    """Push the recorded plan's weights (module docstring); returns the candidate's new
+    status, "skipped" (nothing to claim) or "missing"."""
+    tenant_id = candidate_tenant(candidate_id)
+    if tenant_id is None:
+        return "missing"
+    task_id = self.request.id or f"local-push-{candidate_id}"
+    try:
+        plan = svc.claim_push(candidate_id, tenant_id, task_id)
+        if plan is None:
+            return "skipped"
+        error = plan["refusal"] and f"refused: {plan['refusal']}"
+        if not error:
+            try:
+                svc.push_weights(plan["engine"], Path(plan["path"]), plan["weight_version"])
+            except svc.EngineUnavailable as exc:
+                if self.request.retries < MAX_RETRIES:
+                    raise self.retry(exc=exc, countdown=10 * (self.request.retries + 1)) \
+                        from exc
+                error = f"{exc} (after {MAX_RETRIES + 1} attempts)"
+            except svc.ServiceError as exc:
+                error = str(exc)
+        return svc.record_push_outcome(candidate_id, tenant_id, task_id, error or None)
+    except (OperationalError, InterfaceError) as exc:
+        raise self.retry(exc=exc, countdown=5 * (self.request.retries + 1)) from exc
+
+
 @shared_task(name="trainer.evolution_tasks.advance_candidates",
              autoretry_for=(OperationalError, InterfaceError), max_retries=3,
              retry_backoff=True)
@@ -348,13 +385,18 @@ def advance_candidates() -> dict[str, int]:
             tainted = []
         if tainted:
             counts["tainted_rolled_back"] = counts.get("tainted_rolled_back", 0) + len(tainted)
+        resent = svc.resend_stale_pushes(tenant_id)
+        if resent:
+            counts["resent_push"] = counts.get("resent_push", 0) + resent
         with tenant_context(tenant_id):
             rows = list(Candidate.objects.for_tenant(tenant_id)
                         .filter(status__in=Candidate.LIVE)
                         .values_list("pk", "status", "stage", "heartbeat_at"))
         for pk, status, stage, heartbeat in rows:
             try:
-                if status == Candidate.Status.RUNNING and stage == "canary":
+                if status in Candidate.PUSHING:
+                    outcome = "pushing"  # its task records the outcome (stale: resent above)
+                elif status == Candidate.Status.RUNNING and stage == "canary":
                     outcome = svc.follow_route(pk, tenant_id)
                 elif status == Candidate.Status.PASSED:
                     outcome = svc.start_candidate_canary(pk, tenant_id)
@@ -375,4 +417,4 @@ def advance_candidates() -> dict[str, int]:
     return counts
 
 
-__all__ = ["advance_candidates", "run_gates"]
+__all__ = ["advance_candidates", "push_candidate_weights", "run_gates"]

@@ -191,6 +191,9 @@ def candidate_promote(request: HttpRequest, candidate_id: int) -> HttpResponse:
     else:
         if cand.status == Candidate.Status.PROMOTED:
             messages.success(request, f"Candidate {cand.pk} promoted.")
+        elif cand.status == Candidate.Status.PROMOTING:
+            messages.info(request, f"Candidate {cand.pk}: promotion recorded; its weights are "
+                          "being pushed to production (this page shows the outcome).")
         else:
             messages.error(request, f"Promotion failed: {cand.reason}")
     return redirect("candidate", cand.pk)
@@ -201,11 +204,16 @@ def candidate_promote(request: HttpRequest, candidate_id: int) -> HttpResponse:
 def candidate_rollback(request: HttpRequest, candidate_id: int) -> HttpResponse:
     cand = _get_candidate(request, candidate_id)
     try:
-        svc.rollback_candidate(request.user, cand, _reason(request))
+        cand = svc.rollback_candidate(request.user, cand, _reason(request))
     except ServiceError as exc:
         messages.error(request, f"Not rolled back: {exc}")
     else:
-        messages.success(request, f"Candidate {cand.pk} rolled back.")
+        if cand.status == Candidate.Status.ROLLING_BACK:
+            messages.info(request, f"Candidate {cand.pk}: rollback recorded; the previous "
+                          "weights are being pushed to production (this page shows the "
+                          "outcome).")
+        else:
+            messages.success(request, f"Candidate {cand.pk} rolled back.")
     return redirect("candidate", cand.pk)
 
 

@@ -206,9 +206,17 @@ class Candidate(models.Model):
         FAILED = "failed", "Failed"             # stopped by a gate (reason says which, why)
         PROMOTED = "promoted", "Promoted"
         ROLLED_BACK = "rolled_back", "Rolled back"
+        # A weight push is recorded as intent first and done by a Celery task outside any
+        # transaction (trainer.evolution_tasks.push_candidate_weights), which then records
+        # the outcome: promoting -> promoted | push_failed; rolling_back -> rolled_back, or
+        # back to promoted when the previous weights could not be restored.
+        PROMOTING = "promoting", "Promoting (pushing weights)"
+        ROLLING_BACK = "rolling_back", "Rolling back (pushing weights)"
+        PUSH_FAILED = "push_failed", "Promote failed (weights not pushed)"
 
     CONTEXT_KINDS = (Kind.MEMORY, Kind.SKILL, Kind.HARNESS, Kind.TOOL_SCHEMA)
-    LIVE = (Status.PENDING, Status.RUNNING, Status.PASSED)
+    PUSHING = (Status.PROMOTING, Status.ROLLING_BACK)
+    LIVE = (Status.PENDING, Status.RUNNING, Status.PASSED, *PUSHING)
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="candidates")
     agent = models.ForeignKey("governance.Agent", on_delete=models.PROTECT,

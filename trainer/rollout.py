@@ -75,6 +75,11 @@ class RolloutError(RuntimeError):
     pass
 
 
+class EngineUnreachable(RolloutError):
+    """No answer from the engine at all (connection refused, DNS, timeout): worth a bounded
+    retry, unlike an engine that answered and refused."""
+
+
 # ------------------------------------------------------------------------------ transformers
 
 class HFRollout:
@@ -225,7 +230,7 @@ class SGLangRollout:
             raise RolloutError(f"SGLang {path} answered HTTP {e.code} {_phrase(e.code)}"
                                f"{_sglang_message(body)}") from e
         except urllib.error.URLError as e:
-            raise RolloutError(f"SGLang at {self.url} unreachable: {e.reason}") from e
+            raise EngineUnreachable(f"SGLang at {self.url} unreachable: {e.reason}") from e
         return json.loads(body) if body.strip() else {}
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
