@@ -78,6 +78,11 @@ def _loads_any(data: bytes | None) -> Any:
 _TEXT_PART_TYPES = {"text", "input_text", "output_text"}
 
 
+def _is_text_part(kind: Any) -> bool:
+    # `kind` comes from the agent: a list or an object there must not raise (unhashable).
+    return isinstance(kind, str) and kind in _TEXT_PART_TYPES
+
+
 def message_text(content: Any) -> str:
     """The text of an OpenAI message content: a string, or the text parts of a list joined
     (image/audio/file parts contribute nothing). Shared by the proxy's trajectory inference,
@@ -91,7 +96,7 @@ def message_text(content: Any) -> str:
         for part in content:
             if isinstance(part, str):
                 parts.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") in _TEXT_PART_TYPES:
+            elif isinstance(part, dict) and _is_text_part(part.get("type", "text")):
                 text = part.get("text")
                 if isinstance(text, str):
                     parts.append(text)
