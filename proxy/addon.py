@@ -3,23 +3,32 @@
 What it does per request (hooks never block: no database, disk or network calls here — the key
 table is refreshed by a thread, the spool is written by a thread):
 
-- Every path requires `Authorization: Bearer stw_...`, a Steward proxy key that is known and not
-  revoked; otherwise 401 in OpenAI's error shape and nothing is forwarded. This includes
-  `/v1/models` (agents list models with their key, as with any provider) and paths outside the
-  captured endpoints: the upstream's native endpoints (e.g. SGLang's `/generate` or
-  `/update_weights_from_disk`) must never be an open relay through the appliance.
+- Decided at the request headers, before the body is read (a refusal never buffers a body:
+  errors.refuse): every path requires `Authorization: Bearer stw_...`, a Steward proxy key
+  that is known and not revoked, otherwise 401; only the OpenAI inference endpoints and the
+  operator's STEWARD_PROXY_ALLOWED_PATHS are forwarded, anything else is 404 (proxy/paths.py:
+  the upstream's own endpoints, e.g. SGLang's `/update_weights_from_disk` or a debug path,
+  are never reachable with an agent key); Content-Length over STEWARD_MAX_REQUEST_BYTES ->
+  413 (a chunked body is cut at the limit as it arrives, errors.py); X-Steward-* values that
+  are not UTF-8 text without control characters -> 400; spool over STEWARD_SPOOL_MAX_BYTES ->
+  503 (STEWARD_SPOOL_FULL_POLICY=reject, the default) or forwarded uncaptured (passthrough).
+  All refusals are OpenAI error JSON and nothing is forwarded.
 - The agent's key is replaced by `Bearer $STEWARD_UPSTREAM_API_KEY` (removed when unset), and
   `X-Steward-*` headers are stripped before forwarding.
-- Captured (spooled) are only `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`.
-  Anything else authenticated (`/v1/models`, `/v1/embeddings`, `/health`, ...) passes through
-  uncaptured. On captured paths `Accept-Encoding` is forced to `identity` so the spooled body
-  (and an SSE stream) is plain bytes; the recorded request headers are those the agent sent.
-- Content-Length over STEWARD_MAX_REQUEST_BYTES -> 413; spool over STEWARD_SPOOL_MAX_BYTES ->
-  503 (STEWARD_SPOOL_FULL_POLICY=reject, the default) or forwarded uncaptured (passthrough).
+- Captured (spooled) are only `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`;
+  `GET /v1/models` and allow-listed paths pass through uncaptured. On captured paths
+  `Accept-Encoding` is forced to `identity` so the spooled body (and an SSE stream) is plain
+  bytes; the recorded request headers are those the agent sent.
+- An exception in Steward's own request hooks fails closed: 500 in OpenAI's shape, logged
+  with flow, tenant and agent, nothing forwarded (mitmproxy alone would log it and forward
+  the request uncaptured). Trajectory inference failing only means a new trajectory.
 - The trajectory and step ids are chosen before forwarding (proxy/inference.py) and returned in
   `X-Steward-Trajectory` / `X-Steward-Step`.
 - SSE responses are streamed to the agent as they arrive (a tee that keeps a reference to each
-  chunk, no re-chunking); other responses are forwarded as mitmproxy does.
+  chunk, no re-chunking); other responses are forwarded as mitmproxy does. A stream silent
+  for STEWARD_STREAM_IDLE_TIMEOUT between chunks is closed (error kind stream_idle_timeout).
+  The record keeps at most STEWARD_MAX_CAPTURE_BYTES of a response (`response_truncated`
+  says how much came); the agent always gets all of it.
 - When the exchange ends (`response` or `error`), one spool record (contract in proxy/spool.py's
   reader and the shipper) is built and the inference index learns the exchange. That work
   runs in a `call_soon` callback, i.e. after mitmproxy has written the response to the agent;

@@ -360,6 +360,11 @@ def read_batches(spool_dir: Path, master_key: bytes, max_records: int = 500
                 data = f.read()
         except FileNotFoundError:
             continue
+        if not data and segment.suffix == ".log":
+            # Shipped to the end while it was still .open, closed since: nothing to read,
+            # so no batch would ever get the shipper to delete it.
+            finish_segment_if_done(segment)
+            continue
         pos = 0
         records: list[dict[str, Any]] = []
         bad = 0
