@@ -766,9 +766,13 @@ class Exchange:
 
 def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes | None,
                    response_status: int | None, is_stream: bool,
-                   error: dict | None = None, routing: dict | None = None) -> Exchange:
+                   error: dict | None = None, routing: dict | None = None,
+                   truncated: Any = None) -> Exchange:
     """Parse the exact bytes of an exchange (streams reassembled). Raises `CaptureError` only
-    when nothing trustworthy can be built (see the module docstring)."""
+    when nothing trustworthy can be built (see the module docstring). `truncated`: the proxy
+    kept only the first bytes of the response (STEWARD_MAX_CAPTURE_BYTES; the agent got all):
+    `{"captured_bytes", "total_bytes"}`, into the step's metadata; a cut JSON body is then no
+    answer rather than an error."""
     if endpoint not in ENDPOINTS:
         raise CaptureError(f"unknown endpoint {endpoint!r}")
     request_body = request_body or b""
@@ -777,6 +781,9 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
                   response_status=response_status, is_stream=is_stream,
                   transport_error=dict(error) if isinstance(error, dict) else None,
                   routing=routing if isinstance(routing, dict) else None)
+    if isinstance(truncated, dict):
+        ex.stream_meta["steward.response.truncated"] = {
+            k: truncated.get(k) for k in ("captured_bytes", "total_bytes")}
     transport_failed = bool(error) and error.get("kind") not in (None, "client_disconnected")
     succeeded = (response_status is not None and 200 <= response_status < 300
                  and not transport_failed)
@@ -797,7 +804,7 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
                 ex.response, ex.stream_error = reassemble_responses_stream(events)
         else:
             ex.response = _loads_object(response_body)
-            if ex.response is None and succeeded and error is None:
+            if ex.response is None and succeeded and error is None and not truncated:
                 raise CaptureError(f"{endpoint} response ({response_status}) is not a JSON "
                                    "object")
     elif succeeded and not response_body and error is None:

@@ -502,3 +502,42 @@ def test_spool_files_are_private(steward_proxy, proxy_key):
     assert stat.S_IMODE(spool.stat().st_mode) == 0o700
     files = [p for p in spool.iterdir() if p.is_file()]
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+
+
+def test_the_step_metadata_says_the_capture_was_truncated():
+    """The record's `response_truncated` reaches the step (raw payload -> parse_exchange ->
+    metadata), and a JSON answer cut at the cap is no answer rather than a capture error."""
+    from governance.capture import fields_from_exchange, parse_exchange
+    from governance.rawstore import RAW_FIELDS
+
+    assert "response_truncated" in RAW_FIELDS
+    full = orjson.dumps({"id": "c1", "object": "chat.completion", "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "x" * 500},
+         "finish_reason": "stop"}]})
+    truncated = {"captured_bytes": 100, "total_bytes": len(full)}
+    ex = parse_exchange(endpoint="chat.completions", request_body=chat_body(),
+                        response_body=full[:100], response_status=200, is_stream=False,
+                        truncated=truncated)
+    assert ex.response is None
+    metadata = fields_from_exchange(ex)["metadata"]
+    assert metadata["steward.response.truncated"] == truncated
+
+
+def test_path_policy_unit():
+    from proxy.paths import PathPolicy
+
+    policy = PathPolicy("/v1/embeddings,/v1/files/*")
+    assert policy.check("POST", "/v1/chat/completions") == (True, "chat.completions")
+    assert policy.check("POST", "/v1/responses") == (True, "responses")
+    assert policy.check("GET", "/v1/models") == (True, None)
+    assert policy.check("GET", "/v1/models/org/model-1") == (True, None)
+    assert policy.check("PUT", "/v1/embeddings") == (True, None)
+    assert policy.check("GET", "/v1/files/a/b") == (True, None)
+    for method, path in [("GET", "/v1/responses"), ("GET", "/v1/models/.."),
+                         ("GET", "/v1/models/a/%2E%2e/b"), ("GET", "/v1/files/a\\b"),
+                         ("GET", "/v1/files/%00"), ("GET", "/v1/files"), ("POST", "/generate"),
+                         ("GET", "/v1/embeddings/"), ("POST", "/v1/chat/completions/")]:
+        assert policy.check(method, path) == (False, None), (method, path)
+    for bad in ["v1/x", "/v1/*x", "/v1/a?b", "/v1/a b"]:
+        with pytest.raises(ValueError):
+            PathPolicy(bad)
