@@ -16,10 +16,12 @@ from pathlib import Path
 from proxy.spool import (
     SpoolWriter,
     commit_offset,
+    encode_line,
     finish_segment_if_done,
     read_batches,
     read_offset,
     segments,
+    spool_key,
 )
 
 MASTER = os.urandom(32)
@@ -97,14 +99,9 @@ def test_orphan_open_segments_of_dead_writers_are_closed(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     dead_pid = int(dead.stdout)
-    first = SpoolWriter(spool, MASTER)
-    first.append({"flow_id": "orphaned"})
-    wait_written(first, 1)
-    first._thread.join(0)  # keep its file as a crashed writer would leave it:
-    (open_segment,) = segments(spool)
-    orphan = spool / open_segment.name.replace(f"-{os.getpid()}-", f"-{dead_pid}-")
-    os.rename(open_segment, orphan)
-    first.close()  # our own writer's segment is gone (renamed away); it closes nothing
+    # What a crashed writer leaves: an .open segment (complete lines) nobody will close.
+    orphan = spool / f"seg-{int(time.time() * 1000)}-{dead_pid}-1.open"
+    orphan.write_bytes(encode_line(spool_key(MASTER), {"flow_id": "orphaned"}))
     second = SpoolWriter(spool, MASTER)  # a new proxy starts
     try:
         assert [p.suffix for p in segments(spool)] == [".log"]
