@@ -119,7 +119,7 @@ class Settings:
         self.master_key_file: str = values["master_key_file"]
         self.allowed_paths: str = values.get("allowed_paths", "")
         self.max_header_bytes: int = values.get("max_header_bytes", 64 * 1024)
-        self.stream_idle_timeout: float = values.get("stream_idle_timeout", 300.0)
+        self.stream_idle_timeout: float = values.get("stream_idle_timeout", 600.0)
         self.max_capture_bytes: int = values.get("max_capture_bytes", 64 * 1024 * 1024)
 
     @classmethod
@@ -144,7 +144,7 @@ class Settings:
                                            str(var_dir / "master.key")),
             allowed_paths=os.environ.get("STEWARD_PROXY_ALLOWED_PATHS", ""),
             max_header_bytes=_env_int("STEWARD_MAX_HEADER_BYTES", 64 * 1024),
-            stream_idle_timeout=_env_float("STEWARD_STREAM_IDLE_TIMEOUT", 300.0),
+            stream_idle_timeout=_env_float("STEWARD_STREAM_IDLE_TIMEOUT", 600.0),
             max_capture_bytes=_env_int("STEWARD_MAX_CAPTURE_BYTES", 64 * 1024 * 1024),
         )
 
