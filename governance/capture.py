@@ -80,6 +80,11 @@ def _loads_any(data: bytes | None) -> Any:
 _TEXT_PART_TYPES = {"text", "input_text", "output_text"}
 
 
+def _is_text_part(kind: Any) -> bool:
+    # `kind` comes from the agent: a list or an object there must not raise (unhashable).
+    return isinstance(kind, str) and kind in _TEXT_PART_TYPES
+
+
 def message_text(content: Any) -> str:
     """The text of an OpenAI message content: a string, or the text parts of a list joined
     (image/audio/file parts contribute nothing). Shared by the proxy's trajectory inference,
@@ -93,7 +98,7 @@ def message_text(content: Any) -> str:
         for part in content:
             if isinstance(part, str):
                 parts.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") in _TEXT_PART_TYPES:
+            elif isinstance(part, dict) and _is_text_part(part.get("type", "text")):
                 text = part.get("text")
                 if isinstance(text, str):
                     parts.append(text)
@@ -767,9 +772,13 @@ class Exchange:
 
 def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes | None,
                    response_status: int | None, is_stream: bool,
-                   error: dict | None = None, routing: dict | None = None) -> Exchange:
+                   error: dict | None = None, routing: dict | None = None,
+                   truncated: Any = None) -> Exchange:
     """Parse the exact bytes of an exchange (streams reassembled). Raises `CaptureError` only
-    when nothing trustworthy can be built (see the module docstring)."""
+    when nothing trustworthy can be built (see the module docstring). `truncated`: the proxy
+    kept only the first bytes of the response (STEWARD_MAX_CAPTURE_BYTES; the agent got all):
+    `{"captured_bytes", "total_bytes"}`, into the step's metadata; a cut JSON body is then no
+    answer rather than an error."""
     if endpoint not in ENDPOINTS:
         raise CaptureError(f"unknown endpoint {endpoint!r}")
     request_body = request_body or b""
@@ -780,6 +789,10 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
                   routing=routing if isinstance(routing, dict) else None)
     if ex.request is None and request_body:
         ex.unscanned.append("request_body")
+
+    if isinstance(truncated, dict):
+        ex.stream_meta["steward.response.truncated"] = {
+            k: truncated.get(k) for k in ("captured_bytes", "total_bytes")}
     transport_failed = bool(error) and error.get("kind") not in (None, "client_disconnected")
     succeeded = (response_status is not None and 200 <= response_status < 300
                  and not transport_failed)
@@ -801,7 +814,7 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
                 ex.response, ex.stream_error = reassemble_responses_stream(events)
         else:
             ex.response = _loads_object(response_body)
-            if ex.response is None and succeeded and error is None:
+            if ex.response is None and succeeded and error is None and not truncated:
                 raise CaptureError(f"{endpoint} response ({response_status}) is not a JSON "
                                    "object")
     elif succeeded and not response_body and error is None:

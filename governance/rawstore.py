@@ -26,7 +26,7 @@ from governance.models import DataKey, Interaction
 # the step builder copies it into the step's `versions`.
 RAW_FIELDS = ("method", "path", "request_headers", "request_body", "request_is_json",
               "response_status", "response_headers", "response_body", "is_stream", "error",
-              "routing")
+              "routing", "response_truncated")
 
 
 INSERT_CHUNK = 1000

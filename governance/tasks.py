@@ -124,7 +124,8 @@ def _open(ia: Interaction) -> Exchange | str:
             endpoint=ia.endpoint, request_body=request_body, response_body=response_body,
             response_status=raw.get("response_status"), is_stream=bool(raw.get("is_stream")),
             error=raw.get("error") if isinstance(raw.get("error"), dict) else None,
-            routing=raw.get("routing") if isinstance(raw.get("routing"), dict) else None)
+            routing=raw.get("routing") if isinstance(raw.get("routing"), dict) else None,
+            truncated=raw.get("response_truncated"))
     except CaptureError as exc:
         return f"capture: {exc}"
     except Exception as exc:  # a bug in a parser must not loop forever on one payload

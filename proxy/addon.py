@@ -3,25 +3,34 @@
 What it does per request (hooks never block: no database, disk or network calls here — the key
 table is refreshed by a thread, the spool is written by a thread):
 
-- Every path requires `Authorization: Bearer stw_...`, a Steward proxy key that is known and not
-  revoked; otherwise 401 in OpenAI's error shape and nothing is forwarded. This includes
-  `/v1/models` (agents list models with their key, as with any provider) and paths outside the
-  captured endpoints: the upstream's native endpoints (e.g. SGLang's `/generate` or
-  `/update_weights_from_disk`) must never be an open relay through the appliance.
+- Decided at the request headers, before the body is read (a refusal never buffers a body:
+  errors.refuse): every path requires `Authorization: Bearer stw_...`, a Steward proxy key
+  that is known and not revoked, otherwise 401; only the OpenAI inference endpoints and the
+  operator's STEWARD_PROXY_ALLOWED_PATHS are forwarded, anything else is 404 (proxy/paths.py:
+  the upstream's own endpoints, e.g. SGLang's `/update_weights_from_disk` or a debug path,
+  are never reachable with an agent key); Content-Length over STEWARD_MAX_REQUEST_BYTES ->
+  413 (a chunked body is cut at the limit as it arrives, errors.py); X-Steward-* values that
+  are not UTF-8 text without control characters -> 400; spool over STEWARD_SPOOL_MAX_BYTES ->
+  503 (STEWARD_SPOOL_FULL_POLICY=reject, the default) or forwarded uncaptured (passthrough).
+  All refusals are OpenAI error JSON and nothing is forwarded.
 - The agent's key is replaced by `Bearer $STEWARD_UPSTREAM_API_KEY` (removed when unset), and
   `X-Steward-*` headers are stripped before forwarding. A canary route sends its sessions only
   to an engine the operator listed (proxy/engines.py), with that engine's own credential; a
   route naming any other URL is not followed (its sessions stay on the control upstream).
-- Captured (spooled) are only `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`.
-  Anything else authenticated (`/v1/models`, `/v1/embeddings`, `/health`, ...) passes through
-  uncaptured. On captured paths `Accept-Encoding` is forced to `identity` so the spooled body
-  (and an SSE stream) is plain bytes; the recorded request headers are those the agent sent.
-- Content-Length over STEWARD_MAX_REQUEST_BYTES -> 413; spool over STEWARD_SPOOL_MAX_BYTES ->
-  503 (STEWARD_SPOOL_FULL_POLICY=reject, the default) or forwarded uncaptured (passthrough).
+- Captured (spooled) are only `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`;
+  `GET /v1/models` and allow-listed paths pass through uncaptured. On captured paths
+  `Accept-Encoding` is forced to `identity` so the spooled body (and an SSE stream) is plain
+  bytes; the recorded request headers are those the agent sent.
+- An exception in Steward's own request hooks fails closed: 500 in OpenAI's shape, logged
+  with flow, tenant and agent, nothing forwarded (mitmproxy alone would log it and forward
+  the request uncaptured). Trajectory inference failing only means a new trajectory.
 - The trajectory and step ids are chosen before forwarding (proxy/inference.py) and returned in
   `X-Steward-Trajectory` / `X-Steward-Step`.
 - SSE responses are streamed to the agent as they arrive (a tee that keeps a reference to each
-  chunk, no re-chunking); other responses are forwarded as mitmproxy does.
+  chunk, no re-chunking); other responses are forwarded as mitmproxy does. A stream silent
+  for STEWARD_STREAM_IDLE_TIMEOUT between chunks is closed (error kind stream_idle_timeout).
+  The record keeps at most STEWARD_MAX_CAPTURE_BYTES of a response (`response_truncated`
+  says how much came); the agent always gets all of it.
 - When the exchange ends (`response` or `error`), one spool record (contract in proxy/spool.py's
   reader and the shipper) is built and the inference index learns the exchange. That work
   runs in a `call_soon` callback, i.e. after mitmproxy has written the response to the agent;
@@ -42,6 +51,7 @@ import asyncio
 import base64
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -62,6 +72,7 @@ from proxy import dispatch, errors  # noqa: E402
 from proxy.engines import Engine, Engines  # noqa: E402
 from proxy.ids import new_id  # noqa: E402
 from proxy.inference import (  # noqa: E402
+    NEW,
     Decision,
     TrajectoryIndex,
     chat_answer,
@@ -70,6 +81,7 @@ from proxy.inference import (  # noqa: E402
     response_id,
 )
 from proxy.keys import KeyInfo, KeyTable  # noqa: E402
+from proxy.paths import PathPolicy  # noqa: E402
 from proxy.routing import (  # noqa: E402
     ASSIGNMENT_KEY_PURPOSE,
     NO_PLAN,
@@ -82,11 +94,6 @@ from proxy.spool import SpoolWriter  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
 
-CAPTURED = {
-    "/v1/chat/completions": "chat.completions",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-}
 MAX_SESSION_LENGTH = 256  # Trajectory.session_id
 # Records are handed to the spool writer in bursts at most this old (see Steward._hand_off).
 HANDOFF_SECONDS = 0.02
@@ -124,6 +131,11 @@ class Settings:
         # to one of them, with that engine's own credential.
         self.engines: Engines = values.get("engines") or Engines(lambda _name: None)
 
+        self.allowed_paths: str = values.get("allowed_paths", "")
+        self.max_header_bytes: int = values.get("max_header_bytes", 64 * 1024)
+        self.stream_idle_timeout: float = values.get("stream_idle_timeout", 600.0)
+        self.max_capture_bytes: int = values.get("max_capture_bytes", 64 * 1024 * 1024)
+
     @classmethod
     def from_env(cls) -> Settings:
         var_dir = Path(os.environ.get("STEWARD_VAR_DIR", Path(_ROOT) / "var"))
@@ -145,7 +157,32 @@ class Settings:
             master_key_file=os.environ.get("STEWARD_MASTER_KEY_FILE",
                                            str(var_dir / "master.key")),
             engines=Engines(os.environ.get),
+
+            allowed_paths=os.environ.get("STEWARD_PROXY_ALLOWED_PATHS", ""),
+            max_header_bytes=_env_int("STEWARD_MAX_HEADER_BYTES", 64 * 1024),
+            stream_idle_timeout=_env_float("STEWARD_STREAM_IDLE_TIMEOUT", 600.0),
+            max_capture_bytes=_env_int("STEWARD_MAX_CAPTURE_BYTES", 64 * 1024 * 1024),
         )
+
+
+class Admitted:
+    """What `requestheaders` decided about a request it let through (in flow.metadata): the
+    key, the captured endpoint (None: passed through uncaptured) and the validated
+    X-Steward-* values; `request` does the rest once the body is read."""
+
+    __slots__ = ("key", "endpoint", "session", "subject", "consent", "recorded",
+                 "has_encoding")
+
+    def __init__(self, key: KeyInfo, endpoint: str | None, session: str | None,
+                 subject: str | None, consent: str,
+                 recorded: tuple[tuple[bytes, bytes], ...], has_encoding: bool) -> None:
+        self.key = key
+        self.endpoint = endpoint
+        self.session = session
+        self.subject = subject
+        self.consent = consent
+        self.recorded = recorded
+        self.has_encoding = has_encoding
 
 
 class Capture:
@@ -153,7 +190,7 @@ class Capture:
 
     __slots__ = ("key", "endpoint", "decision", "step_id", "session", "subject", "consent",
                  "request_headers", "request_body", "request_json", "hashes", "chunks",
-                 "t_first_byte", "finished", "routing")
+                 "t_first_byte", "finished", "routing", "stream_bytes", "truncated")
 
     def __init__(self, key: KeyInfo, endpoint: str, decision: Decision, step_id: str,
                  session: str | None, subject: str | None, consent: str,
@@ -175,11 +212,55 @@ class Capture:
         self.t_first_byte: float | None = None
         self.finished = False
         self.routing: dict | None = None  # route/arm and context updates applied (routing.py)
+        self.stream_bytes = 0  # SSE bytes passed to the agent so far
+        self.truncated = False  # the tee stopped keeping chunks at STEWARD_MAX_CAPTURE_BYTES
 
 
 def _header_text(value: bytes | None) -> str:
     # Lossy for invalid UTF-8 on purpose: the record must stay JSON-serialisable.
     return value.decode("utf-8", "replace").strip() if value else ""
+
+
+_CONTROL = re.compile(rb"[\x00-\x1f\x7f]")
+_CONTROL_OR_SPACE = re.compile(rb"[\x00-\x20\x7f]")
+
+
+def _steward_value(name: str, value: bytes | None) -> str | None:
+    """A validated X-Steward-* value: None when absent or blank; ValueError (-> 400) when it
+    is not UTF-8 text without control characters. These values become identifiers (session,
+    subject hash) and database columns, where a NUL or an undecodable byte has no meaning."""
+    if not value:
+        return None
+    try:
+        text = value.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{name} is not valid UTF-8.") from None
+    if _CONTROL.search(value):
+        raise ValueError(f"{name} contains a control character.")
+    return text or None
+
+
+def _path_text(raw: bytes) -> str:
+    """The request target as recorded: UTF-8 text, with every byte that is not valid UTF-8 or
+    is a control character (or a space) percent-encoded — the URL's own escape, so an
+    invalid-UTF-8 query string is recorded exactly instead of making the record
+    unserialisable."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and not _CONTROL_OR_SPACE.search(raw):
+        return text
+    out = []
+    for ch in raw.decode("utf-8", "surrogateescape"):
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte
+            out.append(f"%{code - 0xDC00:02X}")
+        elif code <= 0x20 or code == 0x7F:
+            out.append(f"%{code:02X}")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def _header_list(fields: tuple[tuple[bytes, bytes], ...]) -> list[list[str]]:
@@ -202,6 +283,7 @@ def spool_form(record: dict[str, Any]) -> dict[str, Any]:
         record["response_headers"] = _header_list(response_headers)
     record["request_body"] = _b64(record["request_body"])
     record["response_body"] = _b64(record["response_body"])
+    record["path"] = _path_text(record["path"])
     return record
 
 
@@ -219,6 +301,7 @@ class Steward:
         self.keys: KeyTable | None = None
         self.routing: RoutingTable | None = None
         self.index = TrajectoryIndex()
+        self.paths = PathPolicy()
         self.broken: str | None = None
         self.instance = f"{socket.gethostname()}:?"
         self._upstream_auth = b""
@@ -229,15 +312,23 @@ class Steward:
         self._sweep: asyncio.TimerHandle | None = None
         self._unknown_engine_routes: set[int | None] = set()  # logged once each
 
+        # flow id -> [flow, capture, bytes at the last look, loop time they last grew] of SSE
+        # streams in progress, for the idle timeout between chunks
+        self._streams: dict[str, list] = {}
+        self._stream_sweep: asyncio.TimerHandle | None = None
+
     # -- lifecycle ----------------------------------------------------------------------
     def load(self, loader) -> None:
-        errors.install()
+        errors.install()  # before anything can fail: a broken proxy answers JSON too
         try:
             dispatch.install(ctx.master.addons)
         except Exception as e:  # only a speed-up: mitmproxy's own dispatch still works
             log.warning("fast hook dispatch not installed: %s", e)
         try:
             s = self.settings = Settings.from_env()
+            self.paths = PathPolicy(s.allowed_paths)
+            errors.install(header_bytes=s.max_header_bytes, request_bytes=s.max_request_bytes,
+                           drain_bytes=max(s.max_request_bytes, 1024 * 1024))
             master = load_master_key(s.master_key_env, s.master_key_file, create=False)
             self.spool = SpoolWriter(s.spool_dir, master, max_bytes=s.spool_max_bytes,
                                      prepare=spool_form)
@@ -314,26 +405,57 @@ class Steward:
                 self.spool.append(record)
 
     # -- hooks --------------------------------------------------------------------------
+    # The request is decided in two steps. `requestheaders` (before mitmproxy reads the body)
+    # checks everything the headers tell: the key, the path, the size, the X-Steward-* values,
+    # the spool; a refusal there never reads the body (errors.refuse). `request` (body read)
+    # parses, infers the trajectory, routes and captures. Both fail closed: an exception in
+    # either answers 500 in OpenAI's shape and is logged with the flow, tenant and agent; it
+    # never lets a request through unrecorded (mitmproxy itself would log it and forward).
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if self.broken:
             flow.response = errors.error_response(503, self.broken)
             return
-        assert self.settings is not None
-        for name, value in flow.request.headers.fields:  # cheaper than Headers.get (hot path)
-            if name.lower() == b"content-length":
-                if value.isdigit() and int(value) > self.settings.max_request_bytes:
-                    flow.response = self._too_large(int(value))
-                return
-
-    def _too_large(self, size: int) -> http.Response:
-        assert self.settings is not None
-        return errors.error_response(
-            413, f"Request body of {size} bytes exceeds Steward's limit of "
-            f"{self.settings.max_request_bytes} bytes (STEWARD_MAX_REQUEST_BYTES).", close=True)
+        try:
+            self._admit(flow)
+        except Exception:
+            self._fail_closed(flow, "requestheaders")
 
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:  # answered in requestheaders
             return
+        admitted: Admitted | None = flow.metadata.get("steward_admitted")
+        if admitted is None:  # not decided by requestheaders: never forward it
+            self._fail_closed(flow, "request")
+            return
+        try:
+            self._capture_request(flow, admitted)
+        except Exception:
+            self._fail_closed(flow, "request")
+
+    def _fail_closed(self, flow: http.HTTPFlow, hook: str) -> None:
+        admitted = flow.metadata.get("steward_admitted")
+        key = admitted.key if admitted is not None else None
+        log.exception("%s hook failed for flow %s (tenant %s, agent %s, %s %s): answered 500, "
+                      "not forwarded", hook, flow.id, key.tenant_id if key else "-",
+                      key.agent_id if key else "-", flow.request.method,
+                      _path_text(flow.request.data.path)[:200])
+        flow.metadata.pop("steward", None)
+        self._disarm_timeout(flow)
+        response = errors.error_response(
+            500, f"Steward could not process this request (logged as flow {flow.id}); it was "
+            "not forwarded.", code="steward_internal_error")
+        if flow.live and flow.request.timestamp_end is None:  # body not read yet
+            errors.refuse(flow, response)
+        else:
+            flow.response = response
+
+    def _refuse(self, flow: http.HTTPFlow, has_body: bool, response: http.Response) -> None:
+        if has_body:  # answer now, never read (buffer) the body
+            errors.refuse(flow, response)
+        else:
+            flow.response = response
+
+    def _admit(self, flow: http.HTTPFlow) -> None:
         assert self.settings is not None and self.keys is not None and self.spool is not None
         req = flow.request
         # One pass over the raw header fields (mitmproxy's Headers accessors rescan and decode
@@ -341,7 +463,8 @@ class Steward:
         auth = b""
         steward: dict[bytes, bytes] = {}
         forwarded: list[tuple[bytes, bytes]] = []
-        has_encoding = False
+        has_encoding = chunked = False
+        length = b""
         for name, value in req.headers.fields:
             lname = name.lower()
             if lname == b"authorization":
@@ -350,9 +473,14 @@ class Steward:
             if lname.startswith(b"x-steward-"):
                 steward[lname] = value
                 continue
-            if lname == b"content-encoding":
+            if lname == b"content-length":
+                length = value
+            elif lname == b"content-encoding":
                 has_encoding = True
+            elif lname == b"transfer-encoding":
+                chunked = True
             forwarded.append((name, value))
+        has_body = chunked or (bool(length) and length.strip() != b"0")
 
         key = None
         if auth[:7].lower() == b"bearer ":
@@ -365,66 +493,104 @@ class Steward:
                 msg = "This Steward proxy key has been revoked."
             else:
                 msg = "Incorrect API key provided: not a known Steward proxy key."
-            flow.response = errors.error_response(401, msg)
+            self._refuse(flow, has_body, errors.error_response(401, msg))
             return
-        raw = req.raw_content or b""
-        if len(raw) > self.settings.max_request_bytes:  # chunked bodies have no Content-Length
-            flow.response = self._too_large(len(raw))
+        if length.isdigit() and int(length) > self.settings.max_request_bytes:
+            self._refuse(flow, True, self._too_large(int(length)))
             return
 
+        method = req.method
         path = req.path.split("?", 1)[0]
-        endpoint = CAPTURED.get(path) if req.method == "POST" else None
+        allowed, endpoint = self.paths.check(method, path)
+        if not allowed:
+            self._refuse(flow, has_body, errors.error_response(
+                404, f"Invalid URL ({method} {_path_text(req.data.path.split(b'?')[0])[:200]}): "
+                "Steward forwards the OpenAI inference endpoints and the paths its operator "
+                "allow-lists (STEWARD_PROXY_ALLOWED_PATHS), nothing else."))
+            return
         capture = endpoint is not None
         if capture and self.spool.is_full():
             if self.settings.spool_full_policy == "reject":
-                flow.response = errors.error_response(
+                self._refuse(flow, has_body, errors.error_response(
                     503, "Steward's capture spool is full; the call was not forwarded. "
-                    "Retry later.", code="spool_full")
+                    "Retry later.", code="spool_full"))
                 return
             log.warning("spool full: forwarding %s uncaptured (policy passthrough)", flow.id)
             capture = False
+            endpoint = None
 
+        session = subject = None
+        consent = "train"
+        recorded = req.headers.fields  # decoded on the spool writer thread (spool_form)
         if capture:
-            session = _header_text(steward.get(b"x-steward-session")) or None
+            try:
+                session = _steward_value("X-Steward-Session", steward.get(b"x-steward-session"))
+                subject = _steward_value("X-Steward-Subject", steward.get(b"x-steward-subject"))
+                consent = (_steward_value("X-Steward-Consent",
+                                          steward.get(b"x-steward-consent")) or "train").lower()
+            except ValueError as e:
+                self._refuse(flow, has_body, errors.error_response(
+                    400, str(e), code="invalid_steward_header"))
+                return
             if session is not None and len(session) > MAX_SESSION_LENGTH:
-                flow.response = errors.error_response(
+                self._refuse(flow, has_body, errors.error_response(
                     400, f"X-Steward-Session is longer than {MAX_SESSION_LENGTH} characters.",
-                    code="invalid_steward_header")
+                    code="invalid_steward_header"))
                 return
-            consent = (_header_text(steward.get(b"x-steward-consent")) or "train").lower()
             if consent not in ("train", "no-train"):
-                flow.response = errors.error_response(
+                self._refuse(flow, has_body, errors.error_response(
                     400, "X-Steward-Consent must be 'train' or 'no-train'.",
-                    code="invalid_steward_header")
+                    code="invalid_steward_header"))
                 return
-            recorded = req.headers.fields  # decoded on the spool writer thread (spool_form)
             # Plain bytes in the spool (and a parseable SSE tee): ask for no compression.
             forwarded = [f for f in forwarded if f[0].lower() != b"accept-encoding"]
             forwarded.append((b"accept-encoding", b"identity"))
         if self.settings.upstream_api_key:
             forwarded.append((b"authorization", self._upstream_auth))
         req.headers.fields = tuple(forwarded)
-        self._arm_timeout(flow)
-        if not capture:
-            return
+        flow.metadata["steward_admitted"] = Admitted(key, endpoint, session, subject, consent,
+                                                     recorded, has_encoding)
 
-        subject = _header_text(steward.get(b"x-steward-subject")) or None
+    def _too_large(self, size: int) -> http.Response:
+        assert self.settings is not None
+        return errors.error_response(
+            413, f"Request body of {size} bytes exceeds Steward's limit of "
+            f"{self.settings.max_request_bytes} bytes (STEWARD_MAX_REQUEST_BYTES).", close=True)
+
+    def _capture_request(self, flow: http.HTTPFlow, admitted: Admitted) -> None:
+        assert self.settings is not None
+        req = flow.request
+        raw = req.raw_content or b""
+        if len(raw) > self.settings.max_request_bytes:  # errors.py refuses it as it grows
+            flow.response = self._too_large(len(raw))
+            return
+        self._arm_timeout(flow)
+        endpoint = admitted.endpoint
+        if endpoint is None:
+            return
+        key = admitted.key
         try:
-            body = orjson.loads(req.content if has_encoding else raw)
+            body = orjson.loads(req.content if admitted.has_encoding else raw)
         except (orjson.JSONDecodeError, ValueError):
             body = None
         is_json = body is not None
         scope = (key.tenant_id, key.agent_id)
         hashes = None
-        if endpoint == "chat.completions" and isinstance(body, dict) and isinstance(
-                body.get("messages"), list) and body["messages"]:
-            hashes = prefix_hashes(body["messages"])
-        decision = decide(self.index, scope, endpoint, body, session, hashes)
+        try:
+            if endpoint == "chat.completions" and isinstance(body, dict) and isinstance(
+                    body.get("messages"), list) and body["messages"]:
+                hashes = prefix_hashes(body["messages"])
+            decision = decide(self.index, scope, endpoint, body, admitted.session, hashes)
+        except Exception:  # inference is best effort: a new trajectory, still captured
+            log.exception("trajectory inference failed for flow %s (tenant %s, agent %s): "
+                          "new trajectory", flow.id, key.tenant_id, key.agent_id)
+            hashes = None
+            decision = Decision(new_id(), NEW)
         routing, raw = self._route(flow, endpoint, key, decision, body, raw)
         flow.metadata["steward"] = cap = Capture(
             key=key, endpoint=endpoint, decision=decision, step_id=new_id(),
-            session=session, subject=subject, consent=consent,
-            request_headers=recorded, request_body=raw,
+            session=admitted.session, subject=admitted.subject, consent=admitted.consent,
+            request_headers=admitted.recorded, request_body=raw,
             request_json=body if is_json else None, hashes=hashes,
         )
         cap.routing = routing
@@ -498,24 +664,47 @@ class Steward:
         if content_type.startswith(b"text/event-stream"):
             chunks = cap.chunks = []
             append = chunks.append
+            assert self.settings is not None
+            limit = self.settings.max_capture_bytes
 
             def tee(data: bytes) -> bytes:
+                # Everything goes on to the agent; the record keeps the first `limit` bytes.
                 if data:
-                    append(data)
+                    before = cap.stream_bytes
+                    cap.stream_bytes = before + len(data)
+                    if cap.stream_bytes <= limit:
+                        append(data)
+                    elif not cap.truncated:
+                        cap.truncated = True
+                        if before < limit:
+                            append(data[:limit - before])
                 return data
 
             resp.stream = tee
+            self._watch_stream(flow, cap)
 
     def response(self, flow: http.HTTPFlow) -> None:
         cap: Capture | None = flow.metadata.get("steward")
         if cap is None or cap.finished:
             return
         cap.finished = True
+        self._streams.pop(flow.id, None)
         resp = flow.response
         assert resp is not None
-        body = b"".join(cap.chunks) if cap.chunks is not None else resp.raw_content
+        if cap.chunks is not None:
+            body = b"".join(cap.chunks)
+        else:
+            body = resp.raw_content
+            cap.stream_bytes = len(body) if body else 0
+            assert self.settings is not None
+            if body and len(body) > self.settings.max_capture_bytes:
+                cap.truncated = True
+                body = body[:self.settings.max_capture_bytes]
         error = None
-        if resp.status_code >= 500:
+        idle = flow.metadata.get("steward_stream_idle")
+        if idle:  # the upstream stalled and we closed it; it may have looked like a clean end
+            error = {"kind": "stream_idle_timeout", "message": idle}
+        elif resp.status_code >= 500:
             error = {"kind": "upstream_error",
                      "message": f"upstream answered HTTP {resp.status_code}"}
         # After mitmproxy has written the response (this hook runs before a buffered response
@@ -531,10 +720,14 @@ class Steward:
         if cap is None or cap.finished:
             return
         cap.finished = True
+        self._streams.pop(flow.id, None)
         msg = flow.error.msg if flow.error else "unknown error"
         timeout = flow.metadata.get("steward_timeout")
+        idle = flow.metadata.get("steward_stream_idle")
         if timeout:
             kind, msg = "upstream_timeout", timeout
+        elif idle:
+            kind, msg = "stream_idle_timeout", idle
         elif "client disconnected" in msg.lower():
             kind = "client_disconnected"
         elif flow.response is None and not flow.server_conn.timestamp_tcp_setup:
@@ -600,6 +793,9 @@ class Steward:
         errors.mark_timed_out(flow.client_conn.id, message)
         # mitmproxy has no upstream read timeout: cancel the task that reads the server
         # connection; mitmproxy sees the upstream as closed and answers (504, see errors.py).
+        self._cancel_upstream(flow)
+
+    def _cancel_upstream(self, flow: http.HTTPFlow) -> None:
         try:
             handler = ctx.master.addons.get("proxyserver").connections[flow.client_conn.id]
             io = handler.transports.get(flow.server_conn)
@@ -609,6 +805,48 @@ class Steward:
             io.handler.cancel()
         else:
             log.warning("upstream timeout for %s but no server connection to cancel", flow.id)
+
+    # -- stream idle timeout ------------------------------------------------------------
+    # STEWARD_STREAM_IDLE_TIMEOUT bounds the silence between two chunks of an SSE stream
+    # (STEWARD_UPSTREAM_TIMEOUT only covers the wait for the response headers). The tee only
+    # counts bytes; one sweep timer, while streams are open, compares each stream's count
+    # with the last look. A stream silent for the timeout gets its upstream connection closed:
+    # the agent's stream ends there, and the record keeps what came with error kind
+    # `stream_idle_timeout`. Fires between the timeout and a tenth of it (at most 1 s) later.
+    def _watch_stream(self, flow: http.HTTPFlow, cap: Capture) -> None:
+        assert self.settings is not None
+        timeout = self.settings.stream_idle_timeout
+        if timeout <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._streams[flow.id] = [flow, cap, -1, loop.time()]
+        if self._stream_sweep is None:
+            self._stream_sweep = loop.call_later(min(1.0, timeout / 10), self._sweep_streams)
+
+    def _sweep_streams(self) -> None:
+        assert self.settings is not None
+        timeout = self.settings.stream_idle_timeout
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        idle = []
+        for flow_id, entry in self._streams.items():
+            seen = entry[1].stream_bytes
+            if seen != entry[2]:
+                entry[2], entry[3] = seen, now
+            elif now - entry[3] >= timeout:
+                idle.append(flow_id)
+        for flow_id in idle:
+            flow = self._streams.pop(flow_id)[0]
+            try:
+                message = (f"The upstream stream sent nothing for {timeout:g} s "
+                           "(STEWARD_STREAM_IDLE_TIMEOUT); Steward closed it.")
+                flow.metadata["steward_stream_idle"] = message
+                log.warning("flow %s: %s", flow_id, message)
+                self._cancel_upstream(flow)
+            except Exception:  # one flow's failure must not stop the others' timeouts
+                log.exception("stream idle timeout handling failed for %s", flow_id)
+        self._stream_sweep = (loop.call_later(min(1.0, timeout / 10), self._sweep_streams)
+                              if self._streams else None)
 
     # -- record -------------------------------------------------------------------------
     def _finish(self, flow: http.HTTPFlow, cap: Capture, status: int | None,
@@ -630,13 +868,17 @@ class Steward:
             "consent": cap.consent,
             "endpoint": cap.endpoint,
             "method": flow.request.method,
-            "path": flow.request.path,
+            "path": flow.request.data.path,  # raw bytes; spool_form makes the text
             "request_headers": cap.request_headers,
             "request_body": cap.request_body,
             "request_is_json": cap.request_json is not None,
             "response_status": status,
             "response_headers": response_headers,
             "response_body": body,
+            # None, or what the record kept of a response over STEWARD_MAX_CAPTURE_BYTES (the
+            # agent received all of it)
+            "response_truncated": {"captured_bytes": len(body) if body else 0,
+                                   "total_bytes": cap.stream_bytes} if cap.truncated else None,
             "is_stream": is_stream,
             "error": error,
             "routing": cap.routing,

@@ -25,8 +25,13 @@ are unique (they chain conversations through `previous_response_id`).
 
 Test controls: header `X-Demo-Sleep: <seconds>` or a model named `sleep-<seconds>` delays the
 answer; header `X-Demo-Fail: <status>` or the model `fail-500` answers that status with an
-OpenAI error. `GET /_debug/requests` lists the requests received (method, path, headers, body),
-`GET /_debug/last_request` the last one, `DELETE /_debug/requests` clears them.
+OpenAI error. Streams: header `X-Demo-Stall: <seconds>` pauses a chat stream after its first
+chunk; `X-Demo-Endless: 1` makes a chat stream send content chunks until the client goes away.
+
+With `debug=True` (the in-process test server; `--debug` on the command line, never under
+`steward up`): `GET /_debug/requests` lists the requests received (method, path, headers,
+body), `GET /_debug/last_request` the last one, `DELETE /_debug/requests` clears them. They are
+this server's own paths; the proxy never forwards them (proxy/paths.py).
 """
 
 from __future__ import annotations
@@ -245,6 +250,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                  "finish_reason": finish_reason}]})
 
     await resp.write(chunk({"role": "assistant", "content": ""}))
+    stall = request.headers.get("X-Demo-Stall")
+    if stall:
+        await asyncio.sleep(float(stall))
+    if request.headers.get("X-Demo-Endless"):
+        filler = chunk({"content": "more " * 200})
+        while True:  # until the client (or the proxy) closes the connection
+            await resp.write(filler)
     if ans.reasoning:
         for tok in tokens(ans.reasoning):
             await resp.write(chunk({"reasoning_content": tok}))
@@ -401,16 +413,17 @@ async def debug_last_request(request: web.Request) -> web.Response:
     return web.json_response(recorded[-1], dumps=_dumps)
 
 
-def build_app(max_recorded: int = 1000) -> web.Application:
+def build_app(max_recorded: int = 1000, debug: bool = False) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[RECORDED] = deque(maxlen=max_recorded)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
-    app.router.add_get("/_debug/requests", debug_requests)
-    app.router.add_delete("/_debug/requests", debug_requests)
-    app.router.add_get("/_debug/last_request", debug_last_request)
+    if debug:
+        app.router.add_get("/_debug/requests", debug_requests)
+        app.router.add_delete("/_debug/requests", debug_requests)
+        app.router.add_get("/_debug/last_request", debug_last_request)
     return app
 
 
@@ -419,8 +432,8 @@ class UpstreamServer:
     """The demo upstream on a background thread (its own event loop). `url` is the server root
     (no /v1); `requests` is the live list of recorded requests."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.app = build_app()
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, debug: bool = True) -> None:
+        self.app = build_app(debug=debug)
         self.host = host
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
@@ -465,18 +478,23 @@ class UpstreamServer:
             self._thread.join(10)
 
 
-def start_in_thread(host: str = "127.0.0.1", port: int = 0) -> UpstreamServer:
-    """Start the demo upstream on a free port in a background thread; `.url` is its base URL."""
-    return UpstreamServer(host, port).start()
+def start_in_thread(host: str = "127.0.0.1", port: int = 0, debug: bool = True
+                    ) -> UpstreamServer:
+    """Start the demo upstream on a free port in a background thread; `.url` is its base URL.
+    `debug`: serve the /_debug/ paths (on by default: tests read them directly)."""
+    return UpstreamServer(host, port, debug).start()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--debug", action="store_true",
+                        help="serve /_debug/ (the requests received, prompts included)")
     args = parser.parse_args(argv)
     print(f"demo upstream on http://{args.host}:{args.port}/v1", flush=True)
-    web.run_app(build_app(), host=args.host, port=args.port, access_log=None, print=None)
+    web.run_app(build_app(debug=args.debug), host=args.host, port=args.port, access_log=None,
+                print=None)
 
 
 if __name__ == "__main__":

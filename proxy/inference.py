@@ -50,14 +50,30 @@ class Decision:
 def canonical_message(message: Any) -> bytes:
     if not isinstance(message, dict):
         return orjson.dumps(["?", str(message)])
-    calls = []
-    for call in message.get("tool_calls") or ():
-        if isinstance(call, dict):
-            fn = call.get("function") or {}
-            calls.append([call.get("id") or "", fn.get("name") or "",
-                          fn.get("arguments") or ""])
-    return orjson.dumps([message.get("role") or "", message_text(message.get("content")),
-                         calls, message.get("tool_call_id") or ""])
+    # Agents send what they like: every field may have any JSON type (a `tool_calls` that is a
+    # string, a `function` that is a list). Anything not of the expected shape is hashed as
+    # its JSON form instead of raising, so such a request is still captured (and continues a
+    # trajectory only when the agent repeats the same malformed value).
+    calls: list[Any] = []
+    tool_calls = message.get("tool_calls")
+    for call in tool_calls if isinstance(tool_calls, list) else (
+            [tool_calls] if tool_calls else ()):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            calls.append([_text(call.get("id")), _text(fn.get("name")),
+                          _text(fn.get("arguments"))])
+        else:
+            calls.append(["?", _text(call)])
+    return orjson.dumps([_text(message.get("role")), message_text(message.get("content")),
+                         calls, _text(message.get("tool_call_id"))])
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if not value:
+        return ""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
 def prefix_hashes(messages: list[Any]) -> list[bytes]:

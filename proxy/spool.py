@@ -7,11 +7,18 @@ under a key derived from the master key), appends it as one base64 line to the a
 and fsyncs every `batch_size` records or `batch_ms` milliseconds, whichever comes first. So the
 event loop never waits for the disk, and a crash loses at most one unsynced batch.
 
-Layout of the spool directory:
+Layout of the spool directory (0700; every file 0600: the records are encrypted, but their
+sizes and timing are nobody else's business either):
     seg-<unix_ms>-<pid>-<n>.open    the segment being written (one per proxy process)
     seg-<unix_ms>-<pid>-<n>.log     a closed segment (renamed when it reaches `segment_bytes`
                                     or `segment_seconds`, or when the proxy stops)
-    <segment>.offset                the shipper's committed byte offset into that segment
+    seg-<unix_ms>-<pid>-<n>.offset  the shipper's committed byte offset into that segment,
+                                    whichever suffix it has (the rename keeps the offset)
+
+A writer that starts closes the `.open` segments of writers that are no longer running (a
+crashed proxy's), so they can be shipped to the end and deleted; offset files whose segment is
+gone are deleted by the shipper's pass (`read_batches`). Older spools named offsets
+`<segment>.offset` (suffix included); they are read and cleaned up too.
 
 The shipper (proxy/shipper.py) reads complete lines from both kinds, commits them to
 PostgreSQL idempotently (flow id is unique), then writes the offset; a closed segment whose
@@ -25,6 +32,7 @@ import base64
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,6 +49,9 @@ log = logging.getLogger("steward.spool")
 
 RECORD_VERSION = 1
 _STOP = object()
+_SEGMENT = re.compile(r"^(seg-\d+-(\d+)-\d+)\.(open|log)$")
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 
 
 def spool_key(master: bytes) -> bytes:
@@ -75,7 +86,9 @@ class SpoolWriter:
         self.dir = Path(spool_dir)
         # Runs on the writer thread: an appended item -> its JSON-serialisable record.
         self.prepare = prepare
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(self.dir, DIR_MODE)
+        close_orphan_segments(self.dir)
         self.key = spool_key(master_key)
         self._cipher = AESGCM(self.key)  # one cipher object for every record (see seal)
         self.batch_size = batch_size
@@ -109,7 +122,8 @@ class SpoolWriter:
         self._segment_no += 1
         name = f"seg-{int(time.time() * 1000)}-{os.getpid()}-{self._segment_no}.open"
         self._path = self.dir / name
-        self._file = open(self._path, "ab", buffering=0)
+        fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        self._file = os.fdopen(fd, "ab", buffering=0)
         self._opened_at = time.monotonic()
         self._written = 0
 
@@ -136,12 +150,9 @@ class SpoolWriter:
                 if item is _STOP:
                     stopping = True
                     break
-                try:
-                    record = self.prepare(item) if self.prepare is not None else item
-                    pending.append(encode_line(self._cipher, record))
-                except Exception:  # a record we cannot serialise must not kill the writer
-                    log.exception("spool: dropping unserialisable record %s",
-                                  item.get("flow_id") if isinstance(item, dict) else "?")
+                line = self._encode(item)
+                if line is not None:
+                    pending.append(line)
                 if len(pending) >= self.batch_size or time.monotonic() >= deadline:
                     break
                 try:
@@ -160,6 +171,24 @@ class SpoolWriter:
                 self.used_bytes = spool_bytes(self.dir)
                 self._last_scan = time.monotonic()
         self._close_segment()
+
+    def _encode(self, item: Any) -> bytes | None:
+        try:
+            record = self.prepare(item) if self.prepare is not None else item
+            return encode_line(self._cipher, record)
+        except Exception as e:  # noqa: BLE001 - a record must not kill the writer ...
+            exc = e
+            flow_id = item.get("flow_id") if isinstance(item, dict) else "?"
+        # ... nor be lost: keep what can be kept, marked (text made valid UTF-8, bytes base64).
+        try:
+            record = salvage(item, f"{type(exc).__name__}: {exc}")
+            line = encode_line(self._cipher, record)
+        except Exception:
+            log.exception("spool: record %s could not be serialised, even salvaged: dropped",
+                          flow_id)
+            return None
+        log.error("spool: record %s was not serialisable (%s); spooled salvaged", flow_id, exc)
+        return line
 
     def _flush(self, lines: list[bytes]) -> None:
         if self._file is None:
@@ -194,21 +223,117 @@ class SegmentBatch:
     bad_lines: int
 
 
+def salvage(item: Any, reason: str) -> Any:
+    """A JSON-serialisable copy of a record that was not: strings with lone surrogates get them
+    replaced, bytes become base64 text, other objects their repr; `salvaged` says why."""
+    def fix(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.encode("utf-8", "replace").decode("utf-8")
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return base64.b64encode(bytes(value)).decode("ascii")
+        if isinstance(value, dict):
+            return {fix(k) if isinstance(k, str) else str(k): fix(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [fix(v) for v in value]
+        if value is None or isinstance(value, (bool, int, float)):
+            return value
+        return repr(value)
+
+    record = fix(item)
+    if isinstance(record, dict):
+        record["salvaged"] = reason
+    return record
+
+
 def _offset_path(segment: Path) -> Path:
+    # One name per segment whatever its suffix, so the .open -> .log rename keeps the offset.
+    return segment.with_suffix(".offset")
+
+
+def _legacy_offset_path(segment: Path) -> Path:
     return segment.with_name(segment.name + ".offset")
 
 
 def read_offset(segment: Path) -> int:
-    try:
-        return int(_offset_path(segment).read_text())
-    except (FileNotFoundError, ValueError):
-        return 0
+    for path in (_offset_path(segment), _legacy_offset_path(segment)):
+        try:
+            return int(path.read_text())
+        except (FileNotFoundError, ValueError):
+            continue
+    return 0
 
 
 def commit_offset(segment: Path, offset: int) -> None:
-    tmp = _offset_path(segment).with_suffix(".tmp")
-    tmp.write_text(str(offset))
+    tmp = segment.with_suffix(".offset-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(offset))
     os.replace(tmp, _offset_path(segment))
+    _legacy_offset_path(segment).unlink(missing_ok=True)
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: running
+        return True
+    return True
+
+
+def close_orphan_segments(spool_dir: Path) -> list[Path]:
+    """Rename the `.open` segments of writer processes that are gone to `.log`: nobody will
+    close them, and only a closed segment is deleted once shipped. Returns the new names."""
+    closed = []
+    me = os.getpid()
+    for entry in os.scandir(spool_dir):
+        m = _SEGMENT.match(entry.name)
+        if m is None or m.group(3) != "open":
+            continue
+        pid = int(m.group(2))
+        if pid == me or _pid_running(pid):
+            continue
+        path = Path(entry.path)
+        target = path.with_suffix(".log")
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:
+            continue
+        log.warning("spool: closed orphan segment %s (writer pid %d is gone)", entry.name, pid)
+        closed.append(target)
+    return closed
+
+
+def remove_stale_offsets(spool_dir: Path) -> int:
+    """Delete offset files whose segment no longer exists, and move an older version's
+    `<segment>.open.offset` / `.log.offset` to the segment's one name (the `.open` name's file
+    stayed behind forever once the segment was closed). Returns how many were deleted."""
+    removed = 0
+    for entry in os.scandir(spool_dir):
+        name = entry.name
+        if not name.startswith("seg-"):
+            continue
+        legacy = name.endswith((".open.offset", ".log.offset"))
+        if legacy:
+            stem = name.rsplit(".", 2)[0]
+        elif name.endswith((".offset", ".offset-tmp")):
+            stem = name.rsplit(".", 1)[0]
+        else:
+            continue
+        base = Path(spool_dir) / stem
+        # .open before .log: the writer renames .open -> .log, so a live segment is found
+        # under one of the two names whatever happens between the two checks.
+        alive = base.with_suffix(".open").exists() or base.with_suffix(".log").exists()
+        try:
+            if alive and legacy and not base.with_suffix(".offset").exists():
+                os.replace(entry.path, base.with_suffix(".offset"))
+            elif not alive or legacy:
+                os.unlink(entry.path)
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def segments(spool_dir: Path) -> list[Path]:
@@ -223,6 +348,10 @@ def read_batches(spool_dir: Path, master_key: bytes, max_records: int = 500
     A line that fails to decrypt or parse is counted in `bad_lines` (and logged), never
     silently skipped: the shipper copies it to the dead-letter file before moving past it."""
     key = spool_key(master_key)
+    try:
+        remove_stale_offsets(Path(spool_dir))
+    except OSError:
+        log.exception("spool: cleaning stale offset files failed")
     for segment in segments(spool_dir):
         offset = read_offset(segment)
         try:
@@ -230,6 +359,11 @@ def read_batches(spool_dir: Path, master_key: bytes, max_records: int = 500
                 f.seek(offset)
                 data = f.read()
         except FileNotFoundError:
+            continue
+        if not data and segment.suffix == ".log":
+            # Shipped to the end while it was still .open, closed since: nothing to read,
+            # so no batch would ever get the shipper to delete it.
+            finish_segment_if_done(segment)
             continue
         pos = 0
         records: list[dict[str, Any]] = []
@@ -265,5 +399,6 @@ def finish_segment_if_done(segment: Path) -> bool:
     if read_offset(segment) >= size:
         segment.unlink(missing_ok=True)
         _offset_path(segment).unlink(missing_ok=True)
+        _legacy_offset_path(segment).unlink(missing_ok=True)
         return True
     return False

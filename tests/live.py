@@ -286,11 +286,13 @@ def mitmproxy_confdir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def start_proxy(transactional_db, tmp_path, mitmproxy_confdir) -> Iterator[Any]:
-    """start_proxy(upstream_url, spool_dir=None, addon=True, **env) -> ProxyProcess.
-    `env` overrides the proxy's environment (e.g. STEWARD_UPSTREAM_TIMEOUT="1")."""
+    """start_proxy(upstream_url, spool_dir=None, scripts=(), **env) -> ProxyProcess.
+    `env` overrides the proxy's environment (e.g. STEWARD_UPSTREAM_TIMEOUT="1"); `scripts`
+    are more mitmproxy scripts loaded after the addon (e.g. a fault injector)."""
     started: list[ProxyProcess] = []
 
-    def start(upstream_url: str, spool_dir: Path | None = None, **env: str) -> ProxyProcess:
+    def start(upstream_url: str, spool_dir: Path | None = None, scripts: tuple = (),
+              **env: str) -> ProxyProcess:
         port = free_port()
         n = len(started)
         spool = spool_dir or tmp_path / f"proxy{n}" / "spool"
@@ -311,6 +313,8 @@ def start_proxy(transactional_db, tmp_path, mitmproxy_confdir) -> Iterator[Any]:
         cmd = [str(MITMDUMP), "--mode", f"reverse:{upstream_url}", "--listen-host",
                "127.0.0.1", "--listen-port", str(port), "-s", str(REPO / "proxy" / "addon.py"),
                "--set", f"confdir={mitmproxy_confdir}", "--set", "flow_detail=0"]
+        for script in scripts:
+            cmd += ["-s", str(script)]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(cmd, env=proc_env, stdout=log, stderr=subprocess.STDOUT,
                                        cwd=REPO)
