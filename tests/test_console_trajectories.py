@@ -514,3 +514,37 @@ def test_raw_read_after_retention_says_it_is_gone(client, make_member, tenant, b
     assert client.post(f"/trajectories/{built['trajectory_id']}/steps/{step.id}/raw/",
                        {"reason": "x"}).status_code == 404
     assert client.get(raw_url(built)).status_code == 405
+
+
+def test_detail_shows_the_deadlines_that_apply_defaults_and_policy(
+        client, make_member, tenant, agents):
+    """Issue 13.8: with no policy the defaults (365 days, raw payloads 7) apply and the page
+    says so; a policy for the classification changes them; a destroyed raw payload says so."""
+    from governance.services import set_retention_policy
+
+    started = timezone.now().replace(microsecond=0) - timedelta(days=1)
+    t = make_trajectory(tenant, agents[0], steps=1, started=started)
+    client.force_login(make_member("steward"))
+    fmt = "%Y-%m-%d %H:%M"
+    local = timezone.localtime
+
+    def retention() -> str:
+        body = client.get(f"/trajectories/{t.id}/").content.decode()
+        return re.search(r"<dd data-retention>(.*?)</dd>", body, re.S).group(1)
+
+    text = retention()
+    assert "no deadline set" not in text
+    assert f"steps kept until {local(started + timedelta(days=365)).strftime(fmt)}" in text
+    assert f"raw payloads destroyed by {local(started + timedelta(days=7)).strftime(fmt)}" in text
+    assert "the defaults: no retention policy set" in text
+
+    admin = make_member("admin", "ada")
+    set_retention_policy(admin, tenant, "internal", steps_days=30, raw_days=2,
+                         findings_days=30, audit_days=400)
+    text = retention()
+    assert f"steps kept until {local(started + timedelta(days=30)).strftime(fmt)}" in text
+    assert f"raw payloads destroyed by {local(started + timedelta(days=2)).strftime(fmt)}" in text
+    assert "the tenant's retention policy" in text
+
+    Interaction.objects.filter(trajectory=t).update(raw_ciphertext=None)
+    assert "raw payloads already destroyed" in retention()

@@ -48,6 +48,7 @@ from governance.models import (
     SubjectIndex,
     Trajectory,
 )
+from governance.retention import step_deadlines
 from governance.services import ServiceError, ServiceGone, read_raw_payload
 from governance.views.common import can, console_view, proxy_base_url
 
@@ -556,9 +557,18 @@ def detail_context(request: HttpRequest, trajectory: Trajectory) -> dict[str, An
         r["at"] = _when(r["created_at"])
     for q in doc["governance"]["quarantined"]:
         q["at"] = _when(q["started_at"])
+    # The deadlines the purge will apply (governance/retention.py), not only a per-step
+    # override: with no policy the defaults (365 days, raw payloads 7) still apply.
+    deadlines = step_deadlines(trajectory.tenant_id, trajectory.pk)
     for step in steps:
-        step["retention_at"] = _when(step["governance"]["retention_until"])
+        override = _when(step["governance"]["retention_until"])
+        found = deadlines.get(step["id"])
+        step["deadlines"] = found
+        step["retention_at"] = (min(override, found.steps) if override and found
+                                else override or (found.steps if found else None))
         step["at"] = _when(step["started_at"])
+    dated = list(deadlines.values())
+    raw_left = [d.raw for d in dated if d.raw is not None]
     pending = sum(1 for q in doc["governance"]["quarantined"] if q["state"] == "captured")
     return {
         "trajectory": trajectory,
@@ -568,6 +578,13 @@ def detail_context(request: HttpRequest, trajectory: Trajectory) -> dict[str, An
         "reward_chart": reward_chart(doc["rewards"]),
         "governance": doc["governance"],
         "retention_until": _when(doc["governance"]["retention"]["until"]),
+        "deadlines": {
+            "steps": min((s["retention_at"] for s in steps if s["retention_at"]), default=None),
+            "raw": min(raw_left, default=None),
+            "raw_gone": bool(dated) and not raw_left,
+            "findings": min((d.findings for d in dated), default=None),
+            "defaults": bool(dated) and all(d.source == "default" for d in dated),
+        },
         "findings_total": sorted(doc["governance"]["findings"].items()),
         "unbuilt": doc["governance"]["quarantined"],
         "pending": pending,
