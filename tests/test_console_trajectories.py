@@ -216,7 +216,12 @@ def test_bad_filters_give_a_message_not_a_500(client, make_member, tenant, agent
     body = response.content.decode()
     assert 'role="alert"' in body and "Started after: Enter a valid date/time." in body
     assert "Reward at least" in body and "Status" in body
-    assert ids_in(body) == {str(t.id)}  # the valid filter still applies
+    # Nothing is listed under an invalid filter (issue 13.8: the whole list looked filtered).
+    assert ids_in(body) == set() and "Nothing is listed while a filter is invalid" in body
+    assert 'value="yesterday-ish"' in body  # what was typed stays in the form
+    assert ids_in(client.get("/trajectories/?status=bogus").content.decode()) == set()
+    assert ids_in(client.get("/trajectories/?agent=billing-bot").content.decode()) == {
+        str(t.id)}
     body = client.get("/trajectories/?started_after=2026-01-02T00:00"
                       "&started_before=2026-01-01T00:00").content.decode()
     assert "Must be later than" in body
@@ -548,3 +553,34 @@ def test_detail_shows_the_deadlines_that_apply_defaults_and_policy(
 
     Interaction.objects.filter(trajectory=t).update(raw_ciphertext=None)
     assert "raw payloads already destroyed" in retention()
+
+
+def test_list_shows_status_findings_and_the_time_zone(client, make_member, tenant, agents):
+    """Issue 13.8: a 502 capture, a quarantined call and one still processing do not look
+    like successes; findings are counted; the times say their zone."""
+    from governance.models import Finding
+
+    ok = make_trajectory(tenant, agents[0], steps=1)
+    failed = make_trajectory(tenant, agents[0], steps=2)
+    Interaction.objects.filter(trajectory=failed).update(status_code=502)
+    quarantined = make_trajectory(tenant, agents[0], steps=1, state="quarantined")
+    processing = make_trajectory(tenant, agents[0], steps=1, state="captured")
+    step = Step.objects.get(trajectory=ok)
+    for start in (0, 10):
+        Finding.objects.create(tenant=tenant, step=step, interaction=step.interaction,
+                               entity_type="EMAIL_ADDRESS", recognizer="test", score=1.0,
+                               side="request",
+                               operator="placeholder", sanitizer_version="test-1",
+                               path="$.messages[0].content", start=start, end=start + 5)
+    client.force_login(make_member("auditor"))
+    body = client.get("/trajectories/").content.decode()
+
+    def row(t) -> str:
+        m = re.search(rf'<tr><td><a href="/trajectories/{t.id}/">.*?</tr>', body, re.S)
+        return m.group(0)
+
+    assert '<span class="badge ok">ok</span>' in row(ok) and "<td>2</td>" in row(ok)
+    assert "HTTP 502 ×2" in row(failed) and "badge ok" not in row(failed)
+    assert "quarantined ×1" in row(quarantined)
+    assert "processing ×1" in row(processing)
+    assert "Started (UTC)" in body

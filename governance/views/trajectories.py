@@ -27,10 +27,11 @@ from typing import Any
 from django import forms
 from django.core import signing
 from django.core.exceptions import PermissionDenied
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import NoReverseMatch, reverse
+from django.utils import timezone
 from django.utils.html import escape, format_html
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
@@ -43,6 +44,7 @@ from governance.models import (
     Agent,
     Consent,
     DatasetVersionMember,
+    Finding,
     Interaction,
     Step,
     SubjectIndex,
@@ -261,6 +263,29 @@ def paginate(qs: QuerySet, page_param: str | None) -> Page:
     return Page(rows, number, count, capped)
 
 
+def annotate_row_status(tenant: Any, rows: list[Trajectory]) -> None:
+    """Each row's `calls` (quarantined, pending, upstream errors and the worst status code)
+    and `findings` (sanitizer findings in its steps): two grouped queries over the page, so a
+    500/502 capture or a quarantined call never reads as a success in the list."""
+    ids = [t.pk for t in rows]
+    if not ids:
+        return
+    State = Interaction.State
+    calls = {c["trajectory_id"]: c for c in (
+        Interaction.objects.for_tenant(tenant).filter(trajectory_id__in=ids)
+        .values("trajectory_id").order_by()
+        .annotate(quarantined=Count("pk", filter=Q(state=State.QUARANTINED)),
+                  pending=Count("pk", filter=Q(state=State.CAPTURED)),
+                  errors=Count("pk", filter=Q(status_code__gte=400)),
+                  worst=Max("status_code", filter=Q(status_code__gte=400))))}
+    findings = dict(Finding.objects.for_tenant(tenant).filter(step__trajectory_id__in=ids)
+                    .values("step__trajectory_id").order_by()
+                    .annotate(n=Count("pk")).values_list("step__trajectory_id", "n"))
+    for t in rows:
+        t.calls = calls.get(t.pk, {})
+        t.findings = findings.get(t.pk, 0)
+
+
 def _filter_query(data: dict[str, Any], ref: str) -> dict[str, str]:
     """The cleaned filters as query parameters (the subject as its signed reference)."""
     out: dict[str, str] = {}
@@ -314,7 +339,11 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
             if not request.htmx and not errors:
                 return redirect(clean_url)
     query = _filter_query(data, ref)
-    page = paginate(filtered(tenant, data), request.GET.get("page"))
+    # An invalid filter lists nothing: a list that silently ignores "status=quarantend" looks
+    # like the filtered one. The errors say what to fix; the form keeps what was typed.
+    qs = Trajectory.objects.none() if errors else filtered(tenant, data)
+    page = paginate(qs, request.GET.get("page"))
+    annotate_row_status(tenant, page.rows)
     reward_column = bool(data.get("reward_name") and (
         data.get("reward_min") is not None or data.get("reward_max") is not None))
     if reward_column:
@@ -333,6 +362,7 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
         "query": query,
         "query_string": urlencode(query),
         "statuses": STATUSES,
+        "time_zone": timezone.get_current_timezone_name(),
         "agents": Agent.objects.for_tenant(tenant).order_by("name").values_list("name",
                                                                                flat=True),
         "base_url": proxy_base_url(request),
