@@ -584,3 +584,32 @@ def test_list_shows_status_findings_and_the_time_zone(client, make_member, tenan
     assert "quarantined ×1" in row(quarantined)
     assert "processing ×1" in row(processing)
     assert "Started (UTC)" in body
+
+
+def test_unmatched_rewards_are_listed_to_who_posts_rewards(client, make_member, tenant,
+                                                           other_tenant, agents):
+    """Issue 13.8: a reward for a trajectory id that does not exist is still accepted (late
+    binding) but listed; one that matches (now or later) is not; another tenant's are not."""
+    from governance.services import record_reward
+
+    captured = make_trajectory(tenant, agents[0], steps=1, response_ids=["chatcmpl-here"])
+    ghost = uuid.uuid4()
+    record_reward("system:test", tenant, value=0.5, trajectory_id=ghost, name="typo")
+    record_reward("system:test", tenant, value=1.0, trajectory_id=captured.pk, name="fine")
+    record_reward("system:test", tenant, value=0.2, response_id="chatcmpl-here", name="ok")
+    record_reward("system:test", tenant, value=0.3, response_id="chatcmpl-later", name="early")
+    record_reward("system:test", other_tenant, value=0.9, trajectory_id=uuid.uuid4(),
+                  name="theirs")
+    client.force_login(make_member("steward"))
+    assert 'href="/rewards/unmatched/"' in client.get("/trajectories/").content.decode()
+    body = client.get("/rewards/unmatched/").content.decode()
+    assert f"trajectory <code>{ghost}</code>" in body and "<strong>typo</strong>" in body
+    assert "response <code>chatcmpl-later</code>" in body
+    for matched in ("<strong>fine</strong>", "<strong>ok</strong>", "theirs"):
+        assert matched not in body
+    # The capture arrives: the early reward leaves the list by itself.
+    make_trajectory(tenant, agents[0], steps=1, response_ids=["chatcmpl-later"])
+    assert "chatcmpl-later" not in client.get("/rewards/unmatched/").content.decode()
+    client.force_login(make_member("auditor"))
+    assert client.get("/rewards/unmatched/").status_code == 403
+    assert 'href="/rewards/unmatched/"' not in client.get("/trajectories/").content.decode()

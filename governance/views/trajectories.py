@@ -362,6 +362,7 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
         "query": query,
         "query_string": urlencode(query),
         "statuses": STATUSES,
+        "can_record_rewards": can(request, "record_rewards"),
         "time_zone": timezone.get_current_timezone_name(),
         "agents": Agent.objects.for_tenant(tenant).order_by("name").values_list("name",
                                                                                flat=True),
