@@ -39,7 +39,7 @@ from django.views.decorators.http import require_POST
 
 from governance.atdp import trajectory_document
 from governance.datasets import latest_rewards, reward_within
-from governance.erasure import lookup_hashes
+from governance.erasure import erased_by, lookup_hashes
 from governance.models import (
     Agent,
     Consent,
@@ -560,6 +560,10 @@ def _get_trajectory(request: HttpRequest, trajectory_id: Any) -> Trajectory:
     trajectory = (Trajectory.objects.for_tenant(request.tenant)
                   .select_related("agent", "tenant").filter(pk=trajectory_id).first())
     if trajectory is None:
+        request_id = erased_by(request.tenant.pk, trajectory_id)
+        if request_id is not None:
+            raise Http404(f"this trajectory was erased by erasure request #{request_id}: "
+                          "its steps, rewards and raw payloads are gone for good")
         raise Http404("no such trajectory")
     return trajectory
 
