@@ -176,6 +176,8 @@ def candidate(request: HttpRequest, candidate_id: int) -> HttpResponse:
     cand = _get_candidate(request, candidate_id)
     results = list(GateResult.objects.filter(candidate=cand).order_by("created_at", "pk"))
     latest = {r.gate: r for r in results}
+    if request.htmx and request.htmx.target == "candidate-live":
+        return _candidate_poll(request, cand, latest)
     comparison = svc.comparison_for(cand)
     passed_offline = all(g in latest and latest[g].passed for g in svc.OFFLINE_GATES)
     can_promote_state = passed_offline and cand.route_id is not None and (
@@ -193,15 +195,21 @@ def candidate(request: HttpRequest, candidate_id: int) -> HttpResponse:
         "proposals": list(cand.proposals.select_related("cluster")),
         "live": cand.status in LIVE_STATUSES,
     }
-    if request.htmx and request.htmx.target == "candidate-live":
-        # The page polls its status and pipeline while gates run. When the stage or the status
-        # moves on, the rest of the page (canary chart, buttons) changes too: reload it whole.
-        if (request.GET.get("stage"), request.GET.get("status")) != (cand.stage, cand.status):
-            response = HttpResponse(status=204)
-            response["HX-Refresh"] = "true"
-            return response
-        return render(request, "console/candidate.html#live", context)
     return render(request, "console/candidate.html", context)
+
+
+def _candidate_poll(request: HttpRequest, cand: Candidate,
+                    latest: dict[str, GateResult]) -> HttpResponse:
+    """The page polls its status and pipeline while gates run (only what that fragment needs:
+    no canary statistics every 2 s). When the stage or the status moves on, the rest of the page
+    (canary chart, buttons) changes too: htmx reloads it whole."""
+    if (request.GET.get("stage"), request.GET.get("status")) != (cand.stage, cand.status):
+        response = HttpResponse(status=204)
+        response["HX-Refresh"] = "true"
+        return response
+    return render(request, "console/candidate.html#live",
+                  {"c": cand, "pipeline": pipeline(cand, latest),
+                   "live": cand.status in LIVE_STATUSES})
 
 
 def _reason(request: HttpRequest) -> str:
