@@ -246,6 +246,22 @@ def _add_ids(req: ErasureRequest, key: str, ids: Iterable[int]) -> None:
     req.progress[key] = sorted(set(req.progress.get(key, [])) | {int(i) for i in ids})
 
 
+def erased_trajectory_hash(tenant_id: int, trajectory_id: Any) -> str:
+    """What an erasure keeps of each trajectory it deletes (in its `progress`, never in the
+    certificate), so the console can answer a later look-up of the id with "erased by request
+    #N" instead of a bare 404. A truncated SHA-256 of tenant and id: a trajectory id is a
+    random UUID, so the hash says nothing without the id and keeps no list of ids."""
+    return hashlib.sha256(f"{tenant_id}:{trajectory_id}".lower().encode()).hexdigest()[:32]
+
+
+def erased_by(tenant_id: int, trajectory_id: Any) -> int | None:
+    """The erasure request that deleted this trajectory, if one did."""
+    digest = erased_trajectory_hash(tenant_id, trajectory_id)
+    return (ErasureRequest.objects.for_tenant(tenant_id)
+            .filter(progress__erased_trajectories__contains=[digest])
+            .order_by("pk").values_list("pk", flat=True).first())
+
+
 def _table(name: str) -> str:
     from django.apps import apps
 
@@ -620,6 +636,9 @@ def _delete_batch(req: ErasureRequest) -> bool:
         if not ids:
             return False
         reason = f"erasure request {req.pk}"
+        req.progress["erased_trajectories"] = sorted(
+            set(req.progress.get("erased_trajectories", []))
+            | {erased_trajectory_hash(tenant_id, t) for t in ids})
         # Checkpoints first: the version memberships that link them go below.
         tainted = mark_checkpoints_tainted(ACTOR, tenant_id, ids, reason)
         changed = _drop_from_unapproved(req, ids)

@@ -30,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Count, Exists, OuterRef, Q, Subquery
@@ -91,6 +92,38 @@ def effective_policies(tenant: Tenant | int) -> dict[str, Effective]:
     out = {RetentionPolicy.ANY: eff(RetentionPolicy.ANY, fallback)}
     for label in CLASSIFICATION_ORDER:
         out[label] = eff(label, rows.get(label, fallback))
+    return out
+
+
+@dataclass(frozen=True)
+class StepDeadlines:
+    step_id: str
+    steps: datetime          # the step (and its interaction) is purged after this
+    raw: datetime | None     # the raw payload is destroyed after this; None: already gone
+    findings: datetime
+    source: str              # "policy:<id>" or "default"
+
+
+def step_deadlines(tenant_id: int, trajectory_id: Any) -> dict[str, StepDeadlines]:
+    """The deadlines the purge applies to each step of one trajectory, by the same rules as
+    _purge_batch: the policy of the step's classification ("*" or the defaults otherwise);
+    a raw payload goes at the first of its `raw_expires_at` and the policy's raw_days."""
+    policies = effective_policies(tenant_id)
+    rows = (Step.objects.for_tenant(tenant_id).filter(trajectory_id=trajectory_id)
+            .values("pk", "started_at", "classification", "interaction__raw_expires_at")
+            .annotate(has_raw=Q(interaction__raw_ciphertext__isnull=False)))
+    out: dict[str, StepDeadlines] = {}
+    for row in rows:
+        policy = policies.get(row["classification"], policies[RetentionPolicy.ANY])
+        started = row["started_at"]
+        raw = None
+        if row["has_raw"]:
+            raw = started + timedelta(days=policy.raw_days)
+            if row["interaction__raw_expires_at"] is not None:
+                raw = min(raw, row["interaction__raw_expires_at"])
+        out[str(row["pk"])] = StepDeadlines(
+            str(row["pk"]), started + timedelta(days=policy.steps_days), raw,
+            started + timedelta(days=policy.findings_days), policy.source)
     return out
 
 

@@ -451,6 +451,11 @@ def invalidate_versions_containing(actor: Any, tenant: Tenant | int, trajectory_
 # --- retention policies --------------------------------------------------------------------
 
 
+# Past this a deadline (now + days) leaves the dates Python and PostgreSQL can hold, and the
+# column is a 32-bit integer: a bound the form and REST both report, never a 500.
+MAX_RETENTION_DAYS = 36_500
+
+
 @tenant_atomic("tenant")
 def set_retention_policy(actor: Any, tenant: Tenant, classification: str, *, steps_days: int,
                          raw_days: int, findings_days: int, audit_days: int) -> Any:
@@ -464,6 +469,8 @@ def set_retention_policy(actor: Any, tenant: Tenant, classification: str, *, ste
         if not isinstance(value, int) or value < (0 if field == "raw_days" else 1):
             raise ServiceError(f"{field} must be a whole number of days "
                                f"({'0' if field == 'raw_days' else '1'} or more)")
+        if value > MAX_RETENTION_DAYS:
+            raise ServiceError(f"{field} must be at most {MAX_RETENTION_DAYS} days (100 years)")
     if raw_days > steps_days:
         raise ServiceError("raw_days must not exceed steps_days (a raw payload never "
                            "outlives its step)")

@@ -11,6 +11,7 @@ from governance.views import (
     erasure,
     keys,
     overview,
+    rewards,
     tenant_settings,
     trajectories,
 )
@@ -25,6 +26,7 @@ urlpatterns = [
     path("trajectories/<uuid:trajectory_id>/", trajectories.trajectory_detail, name="trajectory"),
     path("trajectories/<uuid:trajectory_id>/steps/<uuid:step_id>/raw/",
          trajectories.trajectory_raw, name="trajectory-raw"),
+    path("rewards/unmatched/", rewards.unmatched_reward_list, name="unmatched-rewards"),
     path("datasets/", datasets.dataset_list, name="datasets"),
     path("datasets/preview/", datasets.dataset_preview, name="dataset-preview"),
     path("datasets/<int:dataset_id>/", datasets.dataset_detail, name="dataset"),

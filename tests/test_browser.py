@@ -216,3 +216,36 @@ def test_the_journey_capture_approve_train_erase(console, steward_proxy, proxy_k
         ada.shot(name)
     for cp in (sam, olivia, ada):
         cp.assert_clean()
+
+
+def test_error_pages_have_the_console_layout_and_say_why(console, make_member, tenant):
+    """Issue 13.8: a 403 names the role and the permission it lacks, a 404 what was not
+    found, both inside the console's layout (navigation, styles), not a bare error page."""
+    import uuid
+
+    auditor = make_member("auditor", "aud-errors")
+    cp = console(auditor)
+    page = cp.page
+    response = page.goto(cp.base_url + "/keys/")
+    assert response.status == 403
+    nav = page.get_by_role("navigation", name="Main")
+    assert nav.get_by_role("link", name="Audit").is_visible()
+    reason = page.get_by_role("alert").inner_text()
+    assert f"Your role in {tenant.name}, Auditor, may not do this" in reason
+    assert "manage_keys" in reason
+    # The stylesheet applies (a laid-out card, not the browser's default page).
+    assert page.evaluate("() => getComputedStyle(document.querySelector('.card')).borderStyle"
+                         ) == "solid"
+    cp.shot("error-403")
+    response = page.goto(cp.base_url + f"/trajectories/{uuid.uuid4()}/")
+    assert response.status == 404
+    assert "No such trajectory" in page.get_by_role("alert").inner_text()
+    assert page.get_by_role("navigation", name="Main").is_visible()
+    cp.shot("error-404")
+    # Chromium logs the two error documents themselves as failed loads; nothing else may fail.
+    expected = {"console: Failed to load resource: the server responded with a status of 403 "
+                "(Forbidden)", "console: Failed to load resource: the server responded with a "
+                "status of 404 (Not Found)"}
+    assert set(cp.problems) == expected
+    cp.problems = []
+    cp.assert_clean()

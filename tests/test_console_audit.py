@@ -142,3 +142,32 @@ def test_no_verification_on_page_load(client, make_member, tenant, monkeypatch):
     monkeypatch.setattr(view, "verify_chain", boom)
     _login(client, make_member, "compliance")
     assert client.get("/audit/").status_code == 200
+
+
+def test_actor_by_username_action_family_without_its_dot_and_people_only(
+        client, make_member, tenant):
+    """Issue 13.8: a username filters like its user:<id>; "proxy_key" is the family without the
+    trailing dot; "people only" hides the system events around what people did; rows show
+    the person's name."""
+    admin = _login(client, make_member, "admin", "ada-admin")
+    key = services.create_proxy_key(admin, tenant, "billing-bot").record
+    services.revoke_proxy_key(admin, key)
+    services.record_reward("system:test", tenant, value=1.0, response_id="r-1")
+
+    rows = _rows(client.get("/audit/?actor=ada-admin").content.decode())
+    assert "proxy_key.revoked" in rows and "reward.recorded" not in rows
+    assert '<a href="?actor=ada-admin">ada-admin</a>' in rows
+    unknown = client.get("/audit/?actor=nobody-here").content.decode()
+    assert _rows(unknown) == "" and "no member of" in unknown and "nobody-here" in unknown
+
+    rows = _rows(client.get("/audit/?action=proxy_key").content.decode())
+    assert "proxy_key.created" in rows and "proxy_key.revoked" in rows
+    assert "agent.created" not in rows and "reward.recorded" not in rows
+
+    everyone = _rows(client.get("/audit/").content.decode())
+    assert "system:test" in everyone
+    people = _rows(client.get("/audit/?people=1").content.decode())
+    assert "system:test" not in people and "reward.recorded" not in people
+    assert "proxy_key.revoked" in people
+    assert set(AuditEvent.objects.filter(tenant=tenant).values_list("actor", flat=True)) > {
+        f"user:{admin.pk}"}

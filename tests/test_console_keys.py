@@ -156,7 +156,17 @@ def test_api_token_revoke_is_audited_and_the_token_stops_working(client, make_me
     rest.credentials(HTTP_AUTHORIZATION=f"Bearer {issued.secret}")
     assert rest.get("/api/v1/trajectories/").status_code == 200
     listing = client.get("/keys/").content.decode()
-    assert f"/keys/api-tokens/{issued.record.pk}/revoke/" in listing
+    url = f"/keys/api-tokens/{issued.record.pk}/revoke/"
+    # The list links to a confirmation step, as for proxy keys (issue 13.8: one click revoked):
+    # no form on the list posts there, and the GET changes nothing.
+    assert f'<a href="{url}"' in listing and f'action="{url}"' not in listing
+    confirm = client.get(url)
+    assert confirm.status_code == 200
+    body = confirm.content.decode()
+    assert "Revoke API token" in body and auditor.username in body
+    assert f'<form method="post" action="{url}">' in body and "Cancel" in body
+    assert not AuditEvent.objects.filter(action="api_token.revoked").exists()
+    assert rest.get("/api/v1/trajectories/").status_code == 200
     response = client.post(f"/keys/api-tokens/{issued.record.pk}/revoke/", follow=True)
     assert "is revoked" in response.content.decode()
     assert rest.get("/api/v1/trajectories/").status_code == 401

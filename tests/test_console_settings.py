@@ -83,6 +83,11 @@ def test_retention_create_change_delete_are_audited(client, make_member, tenant)
     ({"raw_days": "200"}, "raw_days must not exceed steps_days"),
     ({"audit_days": "10"}, "audit_days must be at least as long"),
     ({"steps_days": "ninety"}, "Steps: enter a whole number of days"),
+    # "²" is a digit to str.isdigit() but no number (was a 500); past int32 overflowed the
+    # column (was a 500); past 100 years the deadlines leave the representable dates.
+    ({"steps_days": "²"}, "Steps: enter a whole number of days from 0 to 36500"),
+    ({"audit_days": "2147483648"}, "Audit events: enter a whole number of days from 0 to"),
+    ({"audit_days": "36501"}, "Audit events: enter a whole number of days from 0 to 36500"),
     ({"classification": "secret-ish"}, "classification must be"),
 ])
 def test_bad_retention_is_a_message_and_keeps_the_input(client, make_member, tenant, change,

@@ -216,7 +216,12 @@ def test_bad_filters_give_a_message_not_a_500(client, make_member, tenant, agent
     body = response.content.decode()
     assert 'role="alert"' in body and "Started after: Enter a valid date/time." in body
     assert "Reward at least" in body and "Status" in body
-    assert ids_in(body) == {str(t.id)}  # the valid filter still applies
+    # Nothing is listed under an invalid filter (issue 13.8: the whole list looked filtered).
+    assert ids_in(body) == set() and "Nothing is listed while a filter is invalid" in body
+    assert 'value="yesterday-ish"' in body  # what was typed stays in the form
+    assert ids_in(client.get("/trajectories/?status=bogus").content.decode()) == set()
+    assert ids_in(client.get("/trajectories/?agent=billing-bot").content.decode()) == {
+        str(t.id)}
     body = client.get("/trajectories/?started_after=2026-01-02T00:00"
                       "&started_before=2026-01-01T00:00").content.decode()
     assert "Must be later than" in body
@@ -514,3 +519,97 @@ def test_raw_read_after_retention_says_it_is_gone(client, make_member, tenant, b
     assert client.post(f"/trajectories/{built['trajectory_id']}/steps/{step.id}/raw/",
                        {"reason": "x"}).status_code == 404
     assert client.get(raw_url(built)).status_code == 405
+
+
+def test_detail_shows_the_deadlines_that_apply_defaults_and_policy(
+        client, make_member, tenant, agents):
+    """Issue 13.8: with no policy the defaults (365 days, raw payloads 7) apply and the page
+    says so; a policy for the classification changes them; a destroyed raw payload says so."""
+    from governance.services import set_retention_policy
+
+    started = timezone.now().replace(microsecond=0) - timedelta(days=1)
+    t = make_trajectory(tenant, agents[0], steps=1, started=started)
+    client.force_login(make_member("steward"))
+    fmt = "%Y-%m-%d %H:%M"
+    local = timezone.localtime
+
+    def retention() -> str:
+        body = client.get(f"/trajectories/{t.id}/").content.decode()
+        return re.search(r"<dd data-retention>(.*?)</dd>", body, re.S).group(1)
+
+    text = retention()
+    assert "no deadline set" not in text
+    assert f"steps kept until {local(started + timedelta(days=365)).strftime(fmt)}" in text
+    assert f"raw payloads destroyed by {local(started + timedelta(days=7)).strftime(fmt)}" in text
+    assert "the defaults: no retention policy set" in text
+
+    admin = make_member("admin", "ada")
+    set_retention_policy(admin, tenant, "internal", steps_days=30, raw_days=2,
+                         findings_days=30, audit_days=400)
+    text = retention()
+    assert f"steps kept until {local(started + timedelta(days=30)).strftime(fmt)}" in text
+    assert f"raw payloads destroyed by {local(started + timedelta(days=2)).strftime(fmt)}" in text
+    assert "the tenant's retention policy" in text
+
+    Interaction.objects.filter(trajectory=t).update(raw_ciphertext=None)
+    assert "raw payloads already destroyed" in retention()
+
+
+def test_list_shows_status_findings_and_the_time_zone(client, make_member, tenant, agents):
+    """Issue 13.8: a 502 capture, a quarantined call and one still processing do not look
+    like successes; findings are counted; the times say their zone."""
+    from governance.models import Finding
+
+    ok = make_trajectory(tenant, agents[0], steps=1)
+    failed = make_trajectory(tenant, agents[0], steps=2)
+    Interaction.objects.filter(trajectory=failed).update(status_code=502)
+    quarantined = make_trajectory(tenant, agents[0], steps=1, state="quarantined")
+    processing = make_trajectory(tenant, agents[0], steps=1, state="captured")
+    step = Step.objects.get(trajectory=ok)
+    for start in (0, 10):
+        Finding.objects.create(tenant=tenant, step=step, interaction=step.interaction,
+                               entity_type="EMAIL_ADDRESS", recognizer="test", score=1.0,
+                               side="request",
+                               operator="placeholder", sanitizer_version="test-1",
+                               path="$.messages[0].content", start=start, end=start + 5)
+    client.force_login(make_member("auditor"))
+    body = client.get("/trajectories/").content.decode()
+
+    def row(t) -> str:
+        m = re.search(rf'<tr><td><a href="/trajectories/{t.id}/">.*?</tr>', body, re.S)
+        return m.group(0)
+
+    assert '<span class="badge ok">ok</span>' in row(ok) and "<td>2</td>" in row(ok)
+    assert "HTTP 502 ×2" in row(failed) and "badge ok" not in row(failed)
+    assert "quarantined ×1" in row(quarantined)
+    assert "processing ×1" in row(processing)
+    assert "Started (UTC)" in body
+
+
+def test_unmatched_rewards_are_listed_to_who_posts_rewards(client, make_member, tenant,
+                                                           other_tenant, agents):
+    """Issue 13.8: a reward for a trajectory id that does not exist is still accepted (late
+    binding) but listed; one that matches (now or later) is not; another tenant's are not."""
+    from governance.services import record_reward
+
+    captured = make_trajectory(tenant, agents[0], steps=1, response_ids=["chatcmpl-here"])
+    ghost = uuid.uuid4()
+    record_reward("system:test", tenant, value=0.5, trajectory_id=ghost, name="typo")
+    record_reward("system:test", tenant, value=1.0, trajectory_id=captured.pk, name="fine")
+    record_reward("system:test", tenant, value=0.2, response_id="chatcmpl-here", name="ok")
+    record_reward("system:test", tenant, value=0.3, response_id="chatcmpl-later", name="early")
+    record_reward("system:test", other_tenant, value=0.9, trajectory_id=uuid.uuid4(),
+                  name="theirs")
+    client.force_login(make_member("steward"))
+    assert 'href="/rewards/unmatched/"' in client.get("/trajectories/").content.decode()
+    body = client.get("/rewards/unmatched/").content.decode()
+    assert f"trajectory <code>{ghost}</code>" in body and "<strong>typo</strong>" in body
+    assert "response <code>chatcmpl-later</code>" in body
+    for matched in ("<strong>fine</strong>", "<strong>ok</strong>", "theirs"):
+        assert matched not in body
+    # The capture arrives: the early reward leaves the list by itself.
+    make_trajectory(tenant, agents[0], steps=1, response_ids=["chatcmpl-later"])
+    assert "chatcmpl-later" not in client.get("/rewards/unmatched/").content.decode()
+    client.force_login(make_member("auditor"))
+    assert client.get("/rewards/unmatched/").status_code == 403
+    assert 'href="/rewards/unmatched/"' not in client.get("/trajectories/").content.decode()

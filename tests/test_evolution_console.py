@@ -269,3 +269,100 @@ def test_browser_draws_the_canary_chart_and_promotes(console, world):
     assert cand.status == "promoted"
     cp.shot("candidate-promoted")
     cp.assert_clean()
+
+
+# --- issue 13.8: the propose form's defaults, the candidate page refreshing itself ------------
+
+
+def test_propose_form_forces_an_agent_and_offers_only_eval_splits_that_exist(
+        client, world, tenant, people):
+    login(client, world, "steward")
+    page = client.get("/evolution/").content.decode()
+    form = page[page.index('id="propose"'):]
+    # No agent is preselected (it was the alphabetically first one).
+    assert '<option value="" selected disabled>— choose the agent —</option>' in form
+    assert not re.search(r'<select id="pc-agent"[^>]*>(?:(?!</select>).)*<option value="\d+" '
+                         r'selected', form, re.S)
+    # No approved version: no "tenant's default" that does not exist, and no way to submit.
+    assert "the tenant's default" not in form
+    assert "no approved version to evaluate on" in form
+    assert re.search(r'<button type="submit" disabled>Propose as candidate', form)
+
+    from tests.test_training_jobs import make_version
+
+    version, _ = make_version(tenant, people, name="held-out")
+    form = client.get("/evolution/").content.decode()
+    form = form[form.index('id="propose"'):]
+    assert "— choose an approved version —" in form and "held-out v1" in form
+    assert '<select id="pc-eval" name="eval_version" required>' in form
+    svc.set_evolution_policy(people[0]["admin"], tenant, eval_version=version.pk)
+    form = client.get("/evolution/").content.decode()
+    assert "the tenant's default: held-out v1" in form[form.index('id="propose"'):]
+
+
+def test_propose_without_an_eval_split_that_exists_is_refused(client, world, tenant, people):
+    from tests.test_training_jobs import make_version
+
+    users, _ = people
+    version, _ = make_version(tenant, people, name="only-train")
+    job = TrainingJob.objects.create(tenant=tenant, dataset_version=version,
+                                     reward_fn="exact_match", base_model="tiny-qwen2",
+                                     base_model_path="/nonexistent")
+    ckpt = Checkpoint.objects.create(tenant=tenant, job=job, step=1, path="/nonexistent",
+                                     weight_version="1", manifest={}, manifest_sha256="0" * 64)
+    login(client, world, "steward")
+    before = Candidate.objects.count()
+    r = client.post("/evolution/propose/", {"checkpoint": ckpt.pk, "agent": world["agent"].pk},
+                    follow=True)
+    assert "there is no held-out eval split for its shadow eval" in r.content.decode()
+    assert Candidate.objects.count() == before
+
+
+def test_candidate_page_polls_while_its_gates_run_and_reloads_when_they_move_on(
+        client, world, people, tenant):
+    users, _ = people
+    cand = svc.propose_candidate(users["steward"], tenant, agent=world["agent"],
+                                 upstream_url="http://127.0.0.1:9", model="m-poll")
+    Candidate.objects.filter(pk=cand.pk).update(status="running")
+    login(client, world, "auditor")
+    url = f"/evolution/candidates/{cand.pk}/"
+    page = client.get(url).content.decode()
+    poll = f'hx-get="{url}?stage=shadow_eval&amp;status=running" hx-trigger="every 2s"'
+    assert poll in page
+    htmx = {"HTTP_HX_REQUEST": "true", "HTTP_HX_TARGET": "candidate-live"}
+    same = client.get(url, {"stage": "shadow_eval", "status": "running"}, **htmx)
+    assert same.status_code == 200 and "<h1>" not in same.content.decode()
+    assert poll in same.content.decode()
+    svc.record_offline_gate(cand.pk, tenant.pk, ev.Decision("shadow_eval", True, "fine", {}))
+    moved = client.get(url, {"stage": "shadow_eval", "status": "running"}, **htmx)
+    assert moved["HX-Refresh"] == "true"
+    # A stopped candidate's page does not poll.
+    assert "hx-trigger" not in client.get(
+        f"/evolution/candidates/{world['stopped'].pk}/").content.decode().split(
+        'id="candidate-live"')[1].split(">")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_browser_candidate_page_refreshes_itself_while_gates_run(console, world, people, tenant):
+    users, _ = people
+    cand = svc.propose_candidate(users["steward"], tenant, agent=world["agent"],
+                                 upstream_url="http://127.0.0.1:9", model="m-live")
+    Candidate.objects.filter(pk=cand.pk).update(status="running")
+    cp = console(users["auditor"])
+    cp.go(f"/evolution/candidates/{cand.pk}/")
+    page = cp.page
+    gate = page.locator(".gate", has_text="Shadow eval")
+    assert "running" in gate.inner_text()
+    # The gate task records its result; nobody touches the page.
+    svc.record_offline_gate(cand.pk, tenant.pk, ev.Decision("shadow_eval", True, "fine", {}))
+    page.wait_for_function("() => document.querySelector('.gate-pipeline .gate')"
+                           ".textContent.includes('passed')", timeout=15_000)
+    assert "running" in page.locator(".gate", has_text="Replay").inner_text()
+    svc.record_offline_gate(cand.pk, tenant.pk, ev.Decision("replay", False, "tools worse", {}))
+    page.wait_for_function("() => document.querySelector('[data-candidate-status]')"
+                           ".textContent.includes('Failed')", timeout=15_000)
+    page.wait_for_timeout(2500)
+    assert page.locator("#candidate-live[hx-trigger]").count() == 0  # polling stopped
+    cp.shot("candidate-live")
+    cp.assert_clean()

@@ -23,9 +23,11 @@ from governance.services import ServiceError
 from governance.views.common import can, console_view
 from trainer import evolution as ev
 from trainer import evolution_services as svc
-from trainer.models import Candidate, Checkpoint, GateResult, Proposal
+from trainer.models import Candidate, Checkpoint, EvolutionPolicy, GateResult, Proposal
 
 GATE_ORDER = list(ev.GATES)
+# A candidate whose gates are still being decided: its page polls (candidate.html#live).
+LIVE_STATUSES = ("pending", "running", "passed")  # passed: offline gates done, canary on
 
 
 def roles_with(permission: str) -> str:
@@ -90,6 +92,9 @@ def evolution(request: HttpRequest) -> HttpResponse:
     rows = [{"c": c, "pipeline": pipeline(c, results[c.pk])} for c in cands]
     proposals = list(Proposal.objects.for_tenant(tenant).filter(status=Proposal.Status.OPEN)
                      .select_related("cluster", "cluster__agent").order_by("-created_at")[:50])
+    versions = list(DatasetVersion.objects.for_tenant(tenant)
+                    .filter(status=DatasetVersion.Status.APPROVED, invalidated_at__isnull=True)
+                    .select_related("dataset").order_by("-created_at")[:50])
     context = {
         "rows": rows, "proposals": proposals,
         "can_manage": can(request, "manage_evolution"),
@@ -98,10 +103,10 @@ def evolution(request: HttpRequest) -> HttpResponse:
                             .filter(status=Checkpoint.Status.OK)
                             .select_related("job").order_by("-created_at")[:50]),
         "agents": list(Agent.objects.for_tenant(tenant).order_by("name")),
-        "versions": list(DatasetVersion.objects.for_tenant(tenant)
-                         .filter(status=DatasetVersion.Status.APPROVED,
-                                 invalidated_at__isnull=True)
-                         .select_related("dataset").order_by("-created_at")[:50]),
+        "versions": versions,
+        # The form offers "the tenant's default" only when one is set and still usable;
+        # otherwise a split must be chosen from versions that exist (none: nothing to propose).
+        "default_eval": _default_eval(tenant, versions),
         "thresholds": svc.thresholds_for(tenant).to_dict(),
         "engines": _engine_names(),
     }
@@ -117,6 +122,32 @@ def _engine_names() -> list[str]:
         return sorted(engines().candidates)
     except ServiceError:
         return []
+
+
+def _default_eval(tenant: Any, versions: list[DatasetVersion]) -> DatasetVersion | None:
+    """The tenant's configured eval split, if it is one of the usable (approved, valid)
+    versions listed."""
+    default_id = (EvolutionPolicy.objects.for_tenant(tenant)
+                  .values_list("eval_version_id", flat=True).first())
+    return next((v for v in versions if v.pk == default_id), None)
+
+
+def _eval_split_exists(tenant: Any, checkpoint_id: int) -> bool:
+    """Whether a candidate of this checkpoint proposed without an eval split would get one (the
+    rule of trainer/evolution_tasks._eval_version: the tenant's default, else the newest
+    approved, valid version it was not trained on). A checkpoint that is not usable answers
+    True: the service refuses it with its own reason."""
+    ckpt = (Checkpoint.objects.for_tenant(tenant).filter(pk=checkpoint_id,
+                                                         status=Checkpoint.Status.OK)
+            .select_related("job").first())
+    if ckpt is None or EvolutionPolicy.objects.for_tenant(tenant).filter(
+            eval_version__isnull=False).exists():
+        return True
+    usable = DatasetVersion.objects.for_tenant(tenant).filter(
+        status=DatasetVersion.Status.APPROVED, invalidated_at__isnull=True)
+    if ckpt.job_id:
+        usable = usable.exclude(pk=ckpt.job.dataset_version_id)
+    return usable.exists()
 
 
 def _get_candidate(request: HttpRequest, candidate_id: int) -> Candidate:
@@ -157,6 +188,8 @@ def candidate(request: HttpRequest, candidate_id: int) -> HttpResponse:
     cand = _get_candidate(request, candidate_id)
     results = list(GateResult.objects.filter(candidate=cand).order_by("created_at", "pk"))
     latest = {r.gate: r for r in results}
+    if request.htmx and request.htmx.target == "candidate-live":
+        return _candidate_poll(request, cand, latest)
     comparison = svc.comparison_for(cand)
     passed_offline = all(g in latest and latest[g].passed for g in svc.OFFLINE_GATES)
     can_promote_state = passed_offline and cand.route_id is not None and (
@@ -172,8 +205,23 @@ def candidate(request: HttpRequest, candidate_id: int) -> HttpResponse:
         "manage_roles": roles_with("manage_evolution"),
         "rollback_roles": roles_with("rollback_policy"),
         "proposals": list(cand.proposals.select_related("cluster")),
+        "live": cand.status in LIVE_STATUSES,
     }
     return render(request, "console/candidate.html", context)
+
+
+def _candidate_poll(request: HttpRequest, cand: Candidate,
+                    latest: dict[str, GateResult]) -> HttpResponse:
+    """The page polls its status and pipeline while gates run (only what that fragment needs:
+    no canary statistics every 2 s). When the stage or the status moves on, the rest of the page
+    (canary chart, buttons) changes too: htmx reloads it whole."""
+    if (request.GET.get("stage"), request.GET.get("status")) != (cand.stage, cand.status):
+        response = HttpResponse(status=204)
+        response["HX-Refresh"] = "true"
+        return response
+    return render(request, "console/candidate.html#live",
+                  {"c": cand, "pipeline": pipeline(cand, latest),
+                   "live": cand.status in LIVE_STATUSES})
 
 
 def _reason(request: HttpRequest) -> str:
@@ -233,6 +281,13 @@ def evolution_propose(request: HttpRequest) -> HttpResponse:
     if ckpt_id is None or agent_id is None:
         messages.error(request, "Choose a checkpoint and the agent it is for.")
         return redirect("evolution")
+    if version_id is None and not _eval_split_exists(request.tenant, ckpt_id):
+        messages.error(request, "Not proposed: there is no held-out eval split for its shadow "
+                       "eval — no default eval version is set and no approved dataset version "
+                       "other than the one it was trained on exists. Approve one, then choose "
+                       "it.")
+        back = request.POST.get("back")
+        return redirect("checkpoint", ckpt_id) if back == "checkpoint" else redirect("evolution")
     try:
         cand = svc.propose_candidate(request.user, request.tenant, agent=agent_id,
                                      checkpoint=ckpt_id, eval_version=version_id,

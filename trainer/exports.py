@@ -13,15 +13,24 @@ trainer/taskdata.py for the reference convention), verl's RL dataset columns:
 verl-sft (parquet, verl's multi-turn SFT dataset: messages_key "messages", tools_key "tools";
 one row per member trajectory with a logged assistant reply):
     messages      list<MESSAGE>   the prompt plus the assistant reply the agent got
-    tools         list<TOOL> | null
+    tools         list<TOOL>      empty for a trajectory that offered none — never null: verl
+                                  (0.9.1) reads the file with pandas' pyarrow backend, a null
+                                  becomes pd.NA and apply_chat_template(tools=NA) raises
     extra_info    EXTRA_INFO
 
     MESSAGE    struct<role, content, tool_calls: list<struct<id, type,
                function: struct<name, arguments>>>, tool_call_id, name>   (strings; tool call
-               arguments are JSON text, as in the OpenAI API)
-    TOOL       struct<type, function: struct<name, description, parameters>> — `parameters`
-               is the tool's JSON Schema as JSON text: parquet needs one schema per column and
-               every tool's parameter schema differs (json.loads it before apply_chat_template)
+               arguments are JSON text, as in the OpenAI API: they are what the model generated,
+               valid JSON or not; Qwen3-style templates write a string as is)
+    TOOL       struct<type, function: struct<name, description, parameters: PARAMETERS>>
+    PARAMETERS the tool's JSON Schema as a nested struct, so it reaches the chat template as an
+               object (verl hands the column to apply_chat_template untouched; JSON text would
+               be rendered as a quoted string). Parquet holds one type per column, so the struct
+               is the union of every tool's schema in the file: a keyword or property another
+               tool has and this one lacks reads back as null. When the schemas cannot share
+               one type (a keyword that is a string in one tool and a list in another, an empty
+               object) the whole file falls back to JSON text and the summary says
+               "tool_parameters": "json-text" with the reason.
     EXTRA_INFO struct<trajectory_id: string, approval_id: int64, content_hash: string,
                index: int64, split: string = "train">   (uniform over every row)
 
@@ -54,7 +63,9 @@ EXTENSIONS = {"verl-rl": "parquet", "verl-sft": "parquet", "atdp-jsonl": "jsonl"
 SPLIT = "train"
 
 
-def _schemas() -> dict[str, Any]:
+def _schemas(parameters: Any = None) -> dict[str, Any]:
+    """The Arrow schemas; `parameters` is the type of TOOL.function.parameters (see
+    _tool_parameters_type), JSON text when not given."""
     import pyarrow as pa
 
     s = pa.string()
@@ -63,7 +74,7 @@ def _schemas() -> dict[str, Any]:
     message = pa.struct([("role", s), ("content", s), ("tool_calls", pa.list_(tool_call)),
                          ("tool_call_id", s), ("name", s)])
     tool = pa.struct([("type", s), ("function", pa.struct([("name", s), ("description", s),
-                                                           ("parameters", s)]))])
+                                                           ("parameters", parameters or s)]))])
     extra = pa.struct([("trajectory_id", s), ("approval_id", pa.int64()),
                        ("content_hash", s), ("index", pa.int64()), ("split", s)])
     rl = pa.schema([("data_source", s), ("prompt", pa.list_(message)), ("ability", s),
@@ -75,6 +86,7 @@ def _schemas() -> dict[str, Any]:
 
 
 def _tool(tool: Any) -> dict[str, Any] | None:
+    """One offered tool in the TOOL shape, `parameters` still a dict (the JSON Schema)."""
     if not isinstance(tool, dict):
         return None
     fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
@@ -82,8 +94,33 @@ def _tool(tool: Any) -> dict[str, Any] | None:
     return {"type": str(tool.get("type") or "function"),
             "function": {"name": str(fn.get("name") or ""),
                          "description": str(fn.get("description") or ""),
-                         "parameters": json.dumps(params if params is not None else {},
-                                                  sort_keys=True)}}
+                         "parameters": params if isinstance(params, dict) else {}}}
+
+
+def _tool_parameters_type(rows: list[dict[str, Any]]) -> tuple[Any, str | None]:
+    """The one Arrow struct type every tool's parameter schema in `rows` fits (pyarrow's
+    inference: the union of their keys), or (None, why) when they cannot share one or parquet
+    cannot hold it (an empty object is a struct without fields)."""
+    import pyarrow as pa
+
+    schemas = [t["function"]["parameters"] for r in rows for t in r["tools"]]
+    if not schemas:
+        return None, None
+    try:
+        inferred = pa.array(schemas).type
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        return None, f"the tools' parameter schemas do not share one type: {exc}"
+
+    def has_empty_struct(t: Any) -> bool:
+        if pa.types.is_struct(t):
+            return t.num_fields == 0 or any(has_empty_struct(f.type) for f in t)
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            return has_empty_struct(t.value_type)
+        return False
+
+    if has_empty_struct(inferred) or pa.types.is_null(inferred):
+        return None, "a tool's parameter schema holds an empty object, which parquet cannot store"
+    return inferred, None
 
 
 def data_source(version: DatasetVersion) -> str:
@@ -125,11 +162,20 @@ def write_verl_sft(version: DatasetVersion, out: Path) -> dict[str, Any]:
         if ex.completion is None:
             skipped["no assistant reply"] += 1
             continue
-        tools = [t for t in (_tool(t) for t in ex.tools or []) if t is not None] or None
+        tools = [t for t in (_tool(t) for t in ex.tools or []) if t is not None]
         rows.append({"messages": [*ex.prompt, ex.completion], "tools": tools,
                      "extra_info": _extra(version, ex, len(rows))})
-    pq.write_table(pa.Table.from_pylist(rows, schema=_schemas()["sft"]), out)
-    return {"rows": len(rows), "skipped": dict(skipped)}
+    parameters, why_text = _tool_parameters_type(rows)
+    summary: dict[str, Any] = {"rows": len(rows), "skipped": dict(skipped),
+                               "tool_parameters": "struct"}
+    if why_text:
+        summary.update(tool_parameters="json-text", tool_parameters_reason=why_text)
+        for row in rows:
+            for tool in row["tools"]:
+                fn = tool["function"]
+                fn["parameters"] = json.dumps(fn["parameters"], sort_keys=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=_schemas(parameters)["sft"]), out)
+    return summary
 
 
 def write_atdp_jsonl(version: DatasetVersion, out: Path) -> dict[str, Any]:

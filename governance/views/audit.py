@@ -14,6 +14,7 @@ from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth import get_user_model
+from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -24,7 +25,7 @@ from governance.models import AuditEvent, Membership
 from governance.views.common import can, console_view
 
 PAGE_SIZE = 50
-FILTERS = ("action", "actor", "object_type", "object_id", "since", "until")
+FILTERS = ("action", "actor", "object_type", "object_id", "since", "until", "people")
 VERIFY_SESSION_KEY = "steward_audit_verify"
 # What the action box suggests (families; "x." matches every action starting with it).
 ACTION_FAMILIES = (
@@ -50,10 +51,23 @@ def _filtered(request: HttpRequest) -> tuple[Any, dict[str, str], list[str]]:
     errors: list[str] = []
     qs = AuditEvent.objects.for_tenant(request.tenant)
     if f["action"]:
-        # Like the REST filter: a value ending in "." is a prefix (a family of actions).
-        qs = (qs.filter(action__startswith=f["action"]) if f["action"].endswith(".")
-              else qs.filter(action=f["action"]))
-    for field in ("actor", "object_type", "object_id"):
+        # A value ending in "." is a prefix (a family of actions, like the REST filter); a
+        # family named without its dot ("erasure") is that family too, or the exact action.
+        action = f["action"]
+        qs = (qs.filter(action__startswith=action) if action.endswith(".")
+              else qs.filter(Q(action=action) | Q(action__startswith=action + ".")))
+    if f["actor"]:
+        actor = _actor_value(request, f["actor"])
+        if actor is None:
+            errors.append(f"Actor: no member of {request.tenant.name} is called "
+                          f"“{f['actor']}” (a username, user:<id> or system:<name>)")
+            qs = qs.none()
+        else:
+            qs = qs.filter(actor=actor)
+    if f["people"]:
+        # What people did, without the system events (shipper, sanitizer, beat) around it.
+        qs = qs.filter(actor__startswith="user:")
+    for field in ("object_type", "object_id"):
         if f[field]:
             qs = qs.filter(**{field: f[field]})
     tz = timezone.get_current_timezone()
@@ -64,6 +78,16 @@ def _filtered(request: HttpRequest) -> tuple[Any, dict[str, str], list[str]]:
     if until:  # inclusive: the whole "to" day
         qs = qs.filter(created_at__lt=datetime.combine(until + timedelta(days=1), time.min, tz))
     return qs, f, errors
+
+
+def _actor_value(request: HttpRequest, value: str) -> str | None:
+    """The `actor` column's value for what was typed: "user:3" and "system:erasure" as they
+    are, a username as its member's "user:<id>" (None: no member of this tenant has it)."""
+    if ":" in value:
+        return value
+    pk = (Membership.objects.for_tenant(request.tenant).filter(user__username=value)
+          .values_list("user_id", flat=True).first())
+    return f"user:{pk}" if pk is not None else None
 
 
 def _actor_names(events: list[AuditEvent]) -> dict[str, str]:

@@ -30,14 +30,21 @@ def console_view(view=None, *, permission: str | None = None):
             if request.tenant is None:
                 return render(request, "console/no_tenant.html", status=403)
             if permission is not None and not member_can(request.membership, permission):
-                raise PermissionDenied(f"Your role in {request.tenant.name} may not do this "
-                                       f"(needs {permission}).")
+                raise PermissionDenied(missing_permission(request, permission))
             return func(request, *args, **kwargs)
 
         wrapper.console_permission = permission  # the nav test reads it
         return wrapper
 
     return decorate(view) if view is not None else decorate
+
+
+def missing_permission(request: HttpRequest, permission: str) -> str:
+    """The reason a 403 page shows (templates/403.html): the person's role, the tenant and the
+    permission that role lacks."""
+    role = request.membership.get_role_display() if request.membership else "no role"
+    return (f"Your role in {request.tenant.name}, {role}, may not do this: it needs the "
+            f"{permission} permission.")
 
 
 def can(request: HttpRequest, permission: str) -> bool:

@@ -32,7 +32,7 @@ from governance.services import (
     preview_dataset_count,
     request_approval,
 )
-from governance.views.common import can, console_view
+from governance.views.common import can, console_view, missing_permission
 
 PAGE_SIZE = 25
 VERSIONS_IN_LIST = 5  # the latest versions shown per dataset on the list page
@@ -242,8 +242,7 @@ def dataset_list(request: HttpRequest) -> HttpResponse:
     preview = None
     if request.method == "POST":
         if not can(request, "manage_datasets"):
-            raise PermissionDenied(f"Your role in {request.tenant.name} may not define "
-                                   "datasets (needs manage_datasets).")
+            raise PermissionDenied(missing_permission(request, "manage_datasets"))
         form = DatasetForm(request.POST, tenant=request.tenant)
         preview = _preview(request, form)  # before a refusal by the service joins the errors
         if form.is_valid():

@@ -128,13 +128,16 @@ def token_create(request: HttpRequest) -> HttpResponse:
 
 @console_view(permission="manage_keys")
 def token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
-    """POST: revoke an API token of this tenant (idempotent) and back to the list."""
-    if request.method != "POST":
-        return redirect("keys")
+    """GET: the confirmation page (as for proxy keys); POST: revoke an API token of this
+    tenant (idempotent) and back to the list."""
     token = (ApiToken.objects.for_tenant(request.tenant).select_related("user")
              .filter(pk=token_id).first())
     if token is None:
         raise Http404("no such API token")
+    if request.method == "GET":
+        return render(request, "console/token_revoke.html", {"token": token})
+    if request.method != "POST":
+        return HttpResponse(status=405, headers={"Allow": "GET, POST"})
     if token.revoked_at is not None:
         messages.info(request, f"Token {token.prefix}… was already revoked.")
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import messages
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
@@ -18,6 +19,7 @@ from governance.recognizers import IDENTIFIER_TYPES, NER_TYPES, SECRET_TYPES
 from governance.retention import default_policy, effective_policies
 from governance.sanitizer.policy import DEFAULT_OPERATORS, OPERATORS, Policy
 from governance.services import (
+    MAX_RETENTION_DAYS,
     ServiceError,
     delete_retention_policy,
     set_retention_policy,
@@ -119,11 +121,14 @@ def retention_set(request: HttpRequest) -> HttpResponse:
     form = _retention_form(request.POST)
     days: dict[str, int] = {}
     for field in DAY_FIELDS:
-        value = str(form[field]).strip()
-        if not value.isdigit():
-            return _invalid(request, f"{DAY_LABELS[field]}: enter a whole number of days.",
-                            retention_form=form)
-        days[field] = int(value)
+        # Django's IntegerField, not str.isdigit(): "²" is a digit to Python but no number, and
+        # the bound keeps the value inside the column and the dates it makes.
+        parser = forms.IntegerField(min_value=0, max_value=MAX_RETENTION_DAYS)
+        try:
+            days[field] = parser.clean(str(form[field]).strip())
+        except forms.ValidationError:
+            return _invalid(request, f"{DAY_LABELS[field]}: enter a whole number of days "
+                            f"from 0 to {MAX_RETENTION_DAYS}.", retention_form=form)
     try:
         policy = set_retention_policy(request.user, request.tenant, form["classification"],
                                       **days)

@@ -27,10 +27,11 @@ from typing import Any
 from django import forms
 from django.core import signing
 from django.core.exceptions import PermissionDenied
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import NoReverseMatch, reverse
+from django.utils import timezone
 from django.utils.html import escape, format_html
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
@@ -38,16 +39,18 @@ from django.views.decorators.http import require_POST
 
 from governance.atdp import trajectory_document
 from governance.datasets import latest_rewards, reward_within
-from governance.erasure import lookup_hashes
+from governance.erasure import erased_by, lookup_hashes
 from governance.models import (
     Agent,
     Consent,
     DatasetVersionMember,
+    Finding,
     Interaction,
     Step,
     SubjectIndex,
     Trajectory,
 )
+from governance.retention import step_deadlines
 from governance.services import ServiceError, ServiceGone, read_raw_payload
 from governance.views.common import can, console_view, proxy_base_url
 
@@ -260,6 +263,29 @@ def paginate(qs: QuerySet, page_param: str | None) -> Page:
     return Page(rows, number, count, capped)
 
 
+def annotate_row_status(tenant: Any, rows: list[Trajectory]) -> None:
+    """Each row's `calls` (quarantined, pending, upstream errors and the worst status code)
+    and `findings` (sanitizer findings in its steps): two grouped queries over the page, so a
+    500/502 capture or a quarantined call never reads as a success in the list."""
+    ids = [t.pk for t in rows]
+    if not ids:
+        return
+    State = Interaction.State
+    calls = {c["trajectory_id"]: c for c in (
+        Interaction.objects.for_tenant(tenant).filter(trajectory_id__in=ids)
+        .values("trajectory_id").order_by()
+        .annotate(quarantined=Count("pk", filter=Q(state=State.QUARANTINED)),
+                  pending=Count("pk", filter=Q(state=State.CAPTURED)),
+                  errors=Count("pk", filter=Q(status_code__gte=400)),
+                  worst=Max("status_code", filter=Q(status_code__gte=400))))}
+    findings = dict(Finding.objects.for_tenant(tenant).filter(step__trajectory_id__in=ids)
+                    .values("step__trajectory_id").order_by()
+                    .annotate(n=Count("pk")).values_list("step__trajectory_id", "n"))
+    for t in rows:
+        t.calls = calls.get(t.pk, {})
+        t.findings = findings.get(t.pk, 0)
+
+
 def _filter_query(data: dict[str, Any], ref: str) -> dict[str, str]:
     """The cleaned filters as query parameters (the subject as its signed reference)."""
     out: dict[str, str] = {}
@@ -313,7 +339,11 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
             if not request.htmx and not errors:
                 return redirect(clean_url)
     query = _filter_query(data, ref)
-    page = paginate(filtered(tenant, data), request.GET.get("page"))
+    # An invalid filter lists nothing: a list that silently ignores "status=quarantend" looks
+    # like the filtered one. The errors say what to fix; the form keeps what was typed.
+    qs = Trajectory.objects.none() if errors else filtered(tenant, data)
+    page = paginate(qs, request.GET.get("page"))
+    annotate_row_status(tenant, page.rows)
     reward_column = bool(data.get("reward_name") and (
         data.get("reward_min") is not None or data.get("reward_max") is not None))
     if reward_column:
@@ -332,6 +362,8 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
         "query": query,
         "query_string": urlencode(query),
         "statuses": STATUSES,
+        "can_record_rewards": can(request, "record_rewards"),
+        "time_zone": timezone.get_current_timezone_name(),
         "agents": Agent.objects.for_tenant(tenant).order_by("name").values_list("name",
                                                                                flat=True),
         "base_url": proxy_base_url(request),
@@ -528,6 +560,10 @@ def _get_trajectory(request: HttpRequest, trajectory_id: Any) -> Trajectory:
     trajectory = (Trajectory.objects.for_tenant(request.tenant)
                   .select_related("agent", "tenant").filter(pk=trajectory_id).first())
     if trajectory is None:
+        request_id = erased_by(request.tenant.pk, trajectory_id)
+        if request_id is not None:
+            raise Http404(f"this trajectory was erased by erasure request #{request_id}: "
+                          "its steps, rewards and raw payloads are gone for good")
         raise Http404("no such trajectory")
     return trajectory
 
@@ -556,9 +592,18 @@ def detail_context(request: HttpRequest, trajectory: Trajectory) -> dict[str, An
         r["at"] = _when(r["created_at"])
     for q in doc["governance"]["quarantined"]:
         q["at"] = _when(q["started_at"])
+    # The deadlines the purge will apply (governance/retention.py), not only a per-step
+    # override: with no policy the defaults (365 days, raw payloads 7) still apply.
+    deadlines = step_deadlines(trajectory.tenant_id, trajectory.pk)
     for step in steps:
-        step["retention_at"] = _when(step["governance"]["retention_until"])
+        override = _when(step["governance"]["retention_until"])
+        found = deadlines.get(step["id"])
+        step["deadlines"] = found
+        step["retention_at"] = (min(override, found.steps) if override and found
+                                else override or (found.steps if found else None))
         step["at"] = _when(step["started_at"])
+    dated = list(deadlines.values())
+    raw_left = [d.raw for d in dated if d.raw is not None]
     pending = sum(1 for q in doc["governance"]["quarantined"] if q["state"] == "captured")
     return {
         "trajectory": trajectory,
@@ -568,6 +613,13 @@ def detail_context(request: HttpRequest, trajectory: Trajectory) -> dict[str, An
         "reward_chart": reward_chart(doc["rewards"]),
         "governance": doc["governance"],
         "retention_until": _when(doc["governance"]["retention"]["until"]),
+        "deadlines": {
+            "steps": min((s["retention_at"] for s in steps if s["retention_at"]), default=None),
+            "raw": min(raw_left, default=None),
+            "raw_gone": bool(dated) and not raw_left,
+            "findings": min((d.findings for d in dated), default=None),
+            "defaults": bool(dated) and all(d.source == "default" for d in dated),
+        },
         "findings_total": sorted(doc["governance"]["findings"].items()),
         "unbuilt": doc["governance"]["quarantined"],
         "pending": pending,
