@@ -104,6 +104,10 @@ def test_the_console_offers_engines_and_refuses_a_free_url(client, tenant, peopl
     users, _ = people
     settings.STEWARD_ENGINE_ALLOWLIST = "cand-b=http://10.0.0.6:8000"
     ckpt, agent = tiny_checkpoint(tenant, people)
+    from tests.test_training_jobs import make_version
+
+    # A held-out split exists, so the only reason left to refuse is the free URL.
+    make_version(tenant, people, name="held-out")
     client.force_login(users["steward"])
     page = client.get("/evolution/").content.decode()
     assert '<select id="pc-url" name="upstream_url">' in page
