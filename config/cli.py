@@ -669,10 +669,13 @@ def down() -> int:
                 os.kill(entry["pid"], signal.SIGKILL)
         run_file.unlink(missing_ok=True)
 
-    from config.embedded import stop_embedded
+    from config.embedded import stop_embedded, test_pgdata_dir
 
     if stop_embedded(var_dir):
         print(f"embedded PostgreSQL stopped ({var_dir / 'pg'})")
+        stopped_any = True
+    if stop_embedded(var_dir, pgdata=test_pgdata_dir(var_dir)):  # left running by `make test`
+        print(f"embedded test PostgreSQL stopped ({test_pgdata_dir(var_dir)})")
         stopped_any = True
     if not stopped_any:
         print(f"nothing to stop under {var_dir}")
