@@ -5,8 +5,10 @@ unset), migrates, creates the demo tenant/login/key, and then supervises the pro
 appliance as children: the web console + REST API (gunicorn), the proxy (mitmdump with the
 Steward addon), the spool shipper, a Celery worker and Celery beat — plus a small demo
 OpenAI-compatible upstream when STEWARD_UPSTREAM_URL is unset. Their output goes to the terminal
-with a name prefix and to var/log/<name>.log. Ctrl-C (or SIGTERM) stops them all gracefully; if
-one dies on its own, the others are stopped too and the exit code is non-zero.
+with a name prefix and to var/log/<name>.log. Ctrl-C (or SIGTERM) stops them all gracefully. One
+that dies on its own after start-up is restarted with bounded exponential backoff while the
+others keep running (the proxy keeps serving; the spool and the broker hold the work); during
+start-up a death stops everything with a non-zero exit code.
 
 `steward run SERVICE` execs one of those processes with the same command line, for systemd
 units and containers (deploy/); `steward down` stops what a killed `steward up` left behind
@@ -35,6 +37,14 @@ DEFAULT_PROXY_PORT = 8080
 STARTUP_TIMEOUT = 90.0  # seconds for the web and proxy ports to accept
 GRACE_SECONDS = 15.0  # SIGTERM -> SIGKILL
 TAIL_LINES = 25
+# A service that dies after start-up is restarted, the others keep running (the proxy keeps
+# serving: the spool holds what the shipper has not moved yet, the broker what no worker has
+# taken). The delay doubles with each death in a row, from RESTART_BASE_SECONDS up to
+# RESTART_MAX_SECONDS, so a service that crashes at once does not spin; one that ran for
+# RESTART_STABLE_SECONDS counts as healthy again and starts back at the base delay.
+RESTART_BASE_SECONDS = 1.0
+RESTART_MAX_SECONDS = 30.0
+RESTART_STABLE_SECONDS = 60.0
 
 
 class Stop(BaseException):
@@ -163,10 +173,14 @@ class Child:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc: subprocess.Popen | None = None
         self._pump: threading.Thread | None = None
-        label = f"{name:<8} | "
+        self.started_at = 0.0  # time.monotonic() of the latest start
+        self.deaths_in_a_row = 0
+        self.restart_at: float | None = None  # set while a restart is pending
+        label = f"{name:<10} | "
         self.prefix = f"\x1b[{color}m{label}\x1b[0m" if _tty() else label
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self._log: IO[str] = open(self.log_path, "a", buffering=1)  # noqa: SIM115
         self._log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start: "
                         f"{' '.join(self.argv)}\n")
@@ -225,6 +239,26 @@ class Child:
             self._pump.join(timeout=2)
         if getattr(self, "_log", None) is not None:
             self._log.close()
+
+    def schedule_restart(self, now: float) -> float:
+        """After a death: when to start again (bounded exponential backoff); returns the
+        delay in seconds."""
+        if now - self.started_at >= RESTART_STABLE_SECONDS:
+            self.deaths_in_a_row = 0
+        self.deaths_in_a_row += 1
+        delay = min(RESTART_MAX_SECONDS, RESTART_BASE_SECONDS * 2 ** (self.deaths_in_a_row - 1))
+        self.restart_at = now + delay
+        return delay
+
+    def restart(self) -> None:
+        # What the dead leader left in its group (Celery pool processes, gunicorn workers)
+        # would hold ports and broker messages: it goes first.
+        self.kill_group(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+        self.close()
+        self.restart_at = None
+        self.start()
 
 
 def stop_children(children: list[Child], grace: float = GRACE_SECONDS) -> None:
@@ -504,7 +538,9 @@ class Launcher:
         cfg = ServiceConfig(var_dir=self.var_dir, host=self.web_host, web_port=self.web_port,
                             proxy_port=self.proxy_port, upstream=self.upstream,
                             access_log=str(self.log_dir / "web-access.log"))
-        for name in ("web", "proxy", "shipper", "worker", "beat"):
+        # The gpu-queue worker runs training jobs and evolution gates on the CPU here, one at a
+        # time (concurrency 1); a GPU host runs `steward run gpu-worker` instead.
+        for name in ("web", "proxy", "shipper", "worker", "gpu-worker", "beat"):
             self._child(name, service_argv(name, cfg, single_host=True))
 
         # 6. Ready when the web and proxy ports accept.
@@ -577,13 +613,19 @@ class Launcher:
             time.sleep(0.2)
 
     def supervise(self) -> int:
+        """Until a signal (Stop): restart whatever dies, with backoff, and log it."""
         while True:
-            dead = self._check_children()
-            if dead is not None:
-                self.shutting_down = True
-                self._report_death(dead)
-                say("stopping the other processes")
-                return 1
+            now = time.monotonic()
+            for child in self.children:
+                if child.restart_at is None and not child.running():
+                    self._report_death(child)
+                    delay = child.schedule_restart(now)
+                    say(f"restarting {child.name} in {delay:.0f}s "
+                        f"(death {child.deaths_in_a_row} in a row; the others keep running)")
+                elif child.restart_at is not None and now >= child.restart_at:
+                    child.restart()
+                    write_run_file(self.run_file, self.children)
+                    say(f"{child.name} restarted (pid {child.pid})")
             time.sleep(0.5)
 
     def shutdown(self) -> None:
@@ -701,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
         "beat) on embedded defaults; configure it with environment variables (see "
         "deploy/steward.env.sample).",
         epilog="Management commands (tenants, keys, tokens, users, audit): "
-        "python manage.py help.",
+        "steward manage help.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     up = sub.add_parser(
@@ -733,6 +775,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("extra", nargs=argparse.REMAINDER,
                      help="extra arguments for gunicorn, mitmdump or celery")
     sub.add_parser(
+        "manage", help="a Django management command, e.g. `steward manage create_tenant SLUG` "
+        "(`steward manage help` lists them)", add_help=False)
+    sub.add_parser(
         "down", help="stop a running or left-over `steward up` and its embedded PostgreSQL",
         description="Stop what `steward up` left running under STEWARD_VAR_DIR (default "
         "<repo>/var): a running `steward up`, orphaned children of a killed one, and the "
@@ -741,7 +786,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def manage(args: list[str]) -> int:
+    """`steward manage COMMAND ...`: Django's manage.py with this environment's interpreter
+    (so it works without activating .venv), e.g. `.venv/bin/steward manage create_tenant acme`.
+    Configured like the services: DATABASE_URL, else the embedded PostgreSQL."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(["steward manage", *args])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["manage"]:
+        # Before argparse: every option after the command name is the command's own.
+        return manage(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "up":

@@ -215,7 +215,7 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
 
         run_info = json.loads((var / "run" / "up.json").read_text())
         names = {c["name"] for c in run_info["children"]}
-        assert names == {"upstream", "web", "proxy", "shipper", "worker", "beat"}
+        assert names == {"upstream", "web", "proxy", "shipper", "worker", "gpu-worker", "beat"}
 
         code = up.stop()
         assert code == 0, up.output[-4000:]
@@ -243,32 +243,121 @@ def test_up_embedded_postgresql(tmp_path):
     run_appliance(tmp_path, None)
 
 
-def test_up_child_death_stops_everything(tmp_path, throwaway_database):
-    """A child that dies on its own is named with its last lines; the rest is stopped and the
-    exit code is non-zero. (Here with an external upstream: no demo server is started.)"""
+class AgentLoad:
+    """Agent calls through the proxy on a thread, one after the other, until stopped."""
+
+    def __init__(self, base_url: str, key: str) -> None:
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._client = OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._client.chat.completions.create(
+                    model="demo-model", messages=[{"role": "user", "content": "what is 2+3?"}])
+                self.ok += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is the test's finding
+                self.failures.append(repr(exc))
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=40)
+        self._client.close()
+
+
+def _child_entry(var: Path, name: str) -> dict:
+    run_info = json.loads((var / "run" / "up.json").read_text())
+    return next(c for c in run_info["children"] if c["name"] == name)
+
+
+def _wait_restarted(up: Up, var: Path, name: str, old_pid: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = _child_entry(var, name)
+        if entry["pid"] != old_pid and _alive(entry):
+            return entry
+        time.sleep(0.2)
+    pytest.fail(f"{name} not restarted within {timeout}s:\n{up.output[-4000:]}")
+
+
+@pytest.mark.timeout(420)
+def test_up_restarts_a_dead_service_while_the_proxy_keeps_serving(tmp_path, throwaway_database):
+    """Issue 12.12: SIGKILL the shipper, then the Celery worker, under agent load. Every agent
+    call keeps succeeding, the supervisor says who died and restarts each one with backoff,
+    and the restarted pair ships and builds a new call's trajectory."""
     var = tmp_path / "var"
-    web_port, proxy_port, dead_port = free_port(), free_port(), free_port()
+    web_port, proxy_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items()
-           if k not in {"STEWARD_MASTER_KEY", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"}}
+           if k not in {"STEWARD_MASTER_KEY", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE",
+                        "STEWARD_UPSTREAM_URL", "STEWARD_SPOOL_DIR", "STEWARD_CELERY_EAGER"}}
     env.update(STEWARD_VAR_DIR=str(var), STEWARD_WEB_PORT=str(web_port),
                STEWARD_PROXY_PORT=str(proxy_port), NO_COLOR="1",
-               DATABASE_URL=throwaway_database,
-               STEWARD_UPSTREAM_URL=f"http://127.0.0.1:{dead_port}/v1")
+               DATABASE_URL=throwaway_database)
     up = Up(env)
+    load = None
     try:
-        up.wait_ready(timeout=150)
-        assert up.value("upstream") == f"http://127.0.0.1:{dead_port}"  # /v1 stripped
-        run_info = json.loads((var / "run" / "up.json").read_text())
-        assert "upstream" not in {c["name"] for c in run_info["children"]}
-        shipper = next(c for c in run_info["children"] if c["name"] == "shipper")
-        os.kill(shipper["pid"], signal.SIGKILL)
-        code = up.proc.wait(timeout=90)
-        up._reader.join(timeout=5)
-        assert code != 0
-        assert re.search(r"shipper exited unexpectedly \(killed by SIGKILL\)", up.output), up.output
-        assert "all processes stopped" in up.output
-        time.sleep(0.5)
-        left = [c for c in run_info["children"] if _alive(c) or _group_alive(c["pid"])]
-        assert not left, f"left running: {left}"
+        up.wait_ready(timeout=200)
+        base_url, key, token = up.value("base_url"), up.value("proxy key"), up.value("api token")
+        load = AgentLoad(base_url, key)
+        for name in ("shipper", "worker"):
+            before = load.ok
+            old = _child_entry(var, name)
+            os.killpg(old["pid"], signal.SIGKILL)  # the worker's pool processes too
+            _wait_restarted(up, var, name, old["pid"])
+            assert re.search(rf"{name} exited unexpectedly \(killed by SIGKILL\)", up.output)
+            assert re.search(rf"restarting {name} in 1s", up.output), up.output[-3000:]
+            assert re.search(rf"{name} restarted \(pid \d+\)", up.output)
+            deadline = time.monotonic() + 20
+            while load.ok < before + 5 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert load.ok >= before + 5, f"the proxy stopped answering:\n{up.output[-3000:]}"
+        load.stop()
+        assert load.failures == [], load.failures[:5]
+        assert load.ok > 10
+
+        # The restarted shipper and worker still do their jobs: a new call gets its step.
+        with OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="demo-model", messages=[{"role": "user", "content": "what is 6*7?"}],
+                extra_headers={"X-Steward-Session": f"after-restart-{uuid.uuid4()}"})
+            trajectory = raw.headers["x-steward-trajectory"]
+        console = up.value("console")
+        doc = None
+        deadline = time.monotonic() + 90
+        with httpx.Client(base_url=console, timeout=10,
+                          headers={"Authorization": f"Bearer {token}"}) as http:
+            while time.monotonic() < deadline:
+                r = http.get(f"api/v1/trajectories/{trajectory}/")
+                if r.status_code == 200 and r.json()["steps"]:
+                    doc = r.json()
+                    break
+                time.sleep(0.5)
+        assert doc is not None, up.output[-4000:]
+        assert up.proc.poll() is None  # the supervisor is still up
+        assert up.stop() == 0, up.output[-4000:]
+        run_left = [c for c in json.loads((var / "run" / "up.json").read_text())["children"]
+                    if _alive(c)] if (var / "run" / "up.json").exists() else []
+        assert not run_left
     finally:
+        if load is not None:
+            load.stop()
         up.force_cleanup()
+
+
+def test_restart_backoff_doubles_up_to_a_bound_and_resets_after_a_stable_run(tmp_path):
+    from config.cli import RESTART_MAX_SECONDS, RESTART_STABLE_SECONDS, Child
+
+    child = Child("shipper", ["true"], {}, tmp_path, "36")
+    delays = []
+    for _ in range(8):
+        child.started_at = 1000.0  # died at once, every time
+        delays.append(child.schedule_restart(1001.0))
+    assert delays == [1, 2, 4, 8, 16, 30, 30, 30] and RESTART_MAX_SECONDS == 30
+    child.started_at = 2000.0
+    assert child.schedule_restart(2000.0 + RESTART_STABLE_SECONDS) == 1  # healthy again
+    assert child.restart_at == 2000.0 + RESTART_STABLE_SECONDS + 1
