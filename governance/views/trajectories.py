@@ -36,7 +36,7 @@ from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
 from django.views.decorators.http import require_POST
 
-from governance.atdp import trajectory_document
+from governance.atdp import capture_status, trajectory_document
 from governance.datasets import latest_rewards, reward_within
 from governance.erasure import lookup_hashes
 from governance.models import (
@@ -260,6 +260,21 @@ def paginate(qs: QuerySet, page_param: str | None) -> Page:
     return Page(rows, number, count, capped)
 
 
+def mark_capture_status(tenant: Any, rows: list[Trajectory]) -> None:
+    """Set `capture_status` (governance.atdp.capture_status) on a page of trajectories, in one
+    query over their calls that are not a step."""
+    states: dict[Any, set[str]] = {}
+    for trajectory_id, state in (Interaction.objects.for_tenant(tenant)
+                                 .filter(trajectory_id__in=[t.pk for t in rows])
+                                 .exclude(state=Interaction.State.PROCESSED)
+                                 .values_list("trajectory_id", "state").distinct()):
+        states.setdefault(trajectory_id, set()).add(state)
+    for t in rows:
+        found = states.get(t.pk, set())
+        t.capture_status = capture_status(Interaction.State.CAPTURED in found,
+                                          Interaction.State.QUARANTINED in found)
+
+
 def _filter_query(data: dict[str, Any], ref: str) -> dict[str, str]:
     """The cleaned filters as query parameters (the subject as its signed reference)."""
     out: dict[str, str] = {}
@@ -314,6 +329,7 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
                 return redirect(clean_url)
     query = _filter_query(data, ref)
     page = paginate(filtered(tenant, data), request.GET.get("page"))
+    mark_capture_status(tenant, page.rows)
     reward_column = bool(data.get("reward_name") and (
         data.get("reward_min") is not None or data.get("reward_max") is not None))
     if reward_column:
@@ -571,6 +587,7 @@ def detail_context(request: HttpRequest, trajectory: Trajectory) -> dict[str, An
         "findings_total": sorted(doc["governance"]["findings"].items()),
         "unbuilt": doc["governance"]["quarantined"],
         "pending": pending,
+        "status": doc["status"],
         "approvals": _dataset_approvals(trajectory),
         "can_read_raw": can(request, "read_raw_payloads"),
         "raw": None,
