@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import os
 import secrets
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_WEB_PORT = 8000
 DEFAULT_PROXY_PORT = 8080
 STARTUP_TIMEOUT = 90.0  # seconds for the web and proxy ports to accept
+WORKER_READY_TIMEOUT = 180.0  # seconds for both Celery workers' first heartbeat
 GRACE_SECONDS = 15.0  # SIGTERM -> SIGKILL
 TAIL_LINES = 25
 # A service that dies after start-up is restarted, the others keep running (the proxy keeps
@@ -421,6 +423,8 @@ class Launcher:
         self.embedded = False
         self.env: dict[str, str] = {}
         self.shutting_down = False
+        # Heartbeats older than this launch belong to an earlier run (governance/workers.py).
+        self.launched_at = datetime.datetime.now(datetime.UTC)
 
     # signals: the first one unwinds start-up or ends the supervision loop; during shutdown
     # a second one skips the grace period.
@@ -547,7 +551,35 @@ class Launcher:
         self._wait_ports([("web", self.web_port), ("proxy", self.proxy_port)],
                          timeout=STARTUP_TIMEOUT)
         self._wait_proxy_knows_key(timeout=30)
-        self.print_banner()
+        ready = self._wait_workers_ready(timeout=WORKER_READY_TIMEOUT)
+        self.print_banner(workers_ready=ready)
+
+    def _wait_workers_ready(self, timeout: float) -> bool:
+        """Wait until both Celery workers reported in (governance/workers.py: a heartbeat row
+        started after this launch). The capture worker loads the sanitizer before its first
+        heartbeat, so after this the first call's steps are built in seconds. False after
+        `timeout`: the banner then says the workers are still warming up."""
+        import psycopg
+
+        say("waiting for the Celery workers (the capture worker loads the sanitizer first)")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = self._check_children()
+            if dead is not None:
+                self._report_death(dead)
+                raise StartupError(f"{dead.name} exited during start-up")
+            try:
+                with psycopg.connect(self.env["DATABASE_URL"], connect_timeout=5) as conn:
+                    rows = conn.execute(
+                        "SELECT queues FROM governance_workerheartbeat WHERE started_at >= %s",
+                        [self.launched_at]).fetchall()
+            except psycopg.Error:
+                rows = []
+            consumed = {q for (queues,) in rows for q in queues}
+            if {"capture", "gpu"} <= consumed:
+                return True
+            time.sleep(0.5)
+        return False
 
     def _wait_proxy_knows_key(self, timeout: float) -> None:
         """The proxy loads its key table in a background thread after it starts listening;
@@ -639,7 +671,7 @@ class Launcher:
                 say("embedded PostgreSQL stopped")
         self.run_file.unlink(missing_ok=True)
 
-    def print_banner(self) -> None:
+    def print_banner(self, workers_ready: bool = True) -> None:
         c = self.creds
         shown = "127.0.0.1" if self.web_host in ("0.0.0.0", "", "::") else self.web_host
         base_url = f"http://{shown}:{self.proxy_port}/v1"
@@ -647,8 +679,12 @@ class Launcher:
         upstream = self.upstream + (" (demo model server)" if self.demo_upstream else "")
         database = "embedded PostgreSQL (var/pg)" if self.embedded else "DATABASE_URL"
         model = "demo-model" if self.demo_upstream else "<your model>"
+        status = ("Steward is up." if workers_ready else
+                  "Steward is up, but the Celery workers are still warming up: calls are "
+                  "captured now,\ntheir steps (and any training job) wait until the workers "
+                  f"report in (see {self.log_dir / 'worker.log'}).")
         say(f"""
-Steward is up.
+{status}
 
   base_url:   {base_url}
   proxy key:  {c['proxy_key']}   (tenant {c['tenant']}, agent {c['agent']})

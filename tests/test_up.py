@@ -173,6 +173,15 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
         assert key.startswith("stw_") and token.startswith("stwt_")
         assert console == f"http://127.0.0.1:{web_port}/"
         assert "demo-admin / " in up.output
+        # Issue 13.3: "up" only once the workers can build steps (the capture worker loaded
+        # the sanitizer before its first heartbeat; the gpu worker runs training jobs).
+        banner_at = next(i for i, line in enumerate(up.lines) if "Steward is up" in line)
+        loaded_at = next((i for i, line in enumerate(up.lines)
+                          if line.startswith("worker ") and "sanitizer loaded" in line), None)
+        assert loaded_at is not None and loaded_at < banner_at, up.output[-4000:]
+        assert "Steward is up.\n" in up.output + "\n" and "warming up" not in up.output
+        assert any(line.startswith("gpu-worker") and "ready." in line
+                   for line in up.lines[:banner_at]), up.output[-4000:]
 
         # Secrets were generated under var/ and are private.
         for name in ("secret.key", "master.key", "demo-credentials.json"):
@@ -208,6 +217,13 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
             assert seen is not None, (
                 f"trajectory {trajectory} not listed within 20 s; last answer "
                 f"{r.status_code} {r.text[:500]}\n{up.output[-4000:]}")
+            # Its step is built within seconds too: the worker was warm before the banner.
+            while time.monotonic() < deadline:
+                doc = http.get(f"api/v1/trajectories/{trajectory}/").json()
+                if doc["status"] == "complete":
+                    break
+                time.sleep(0.5)
+            assert doc["status"] == "complete" and len(doc["steps"]) == 1, doc
             assert http.get("api/v1/trajectories/",
                             headers={"Authorization": "Bearer stwt_nope"}).status_code == 401
             login = httpx.get(f"{console}login/", timeout=10)
