@@ -7,9 +7,9 @@ without a clean stop is taken as gone once its row is STALE_AFTER_SECONDS old. T
 every broker, where Celery's inspect/ping needs one with broadcast (not kombu's SQLAlchemy
 transport, the embedded default).
 
-A worker that consumes the `capture` queue also loads the sanitizer (spaCy) before its pool
-forks (worker_init), so its first heartbeat means it can build steps at once: `steward up`
-waits for that before it prints its banner.
+A worker loads the sanitizer (spaCy) before its pool forks (governance/tasks.py,
+worker_init), and the heartbeat starts only once the worker is ready, so a worker's first
+heartbeat means it can build steps at once: `steward up` waits for that before its banner.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import threading
 from typing import Any
 
 from celery import bootsteps
-from celery.signals import worker_init
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +101,3 @@ class Heartbeat(bootsteps.StartStopStep):
                 forget(self._hostname)
             except Exception:  # noqa: BLE001 - going away anyway; the row goes stale
                 log.warning("could not remove the worker heartbeat", exc_info=True)
-
-
-@worker_init.connect
-def warm_up_sanitizer(sender: Any = None, **kwargs: Any) -> None:
-    """Load spaCy and the recognizers before the pool forks, so the first build_steps does
-    not wait for it (and every pool process shares the loaded model)."""
-    app = getattr(sender, "app", None)
-    if app is None or "capture" not in _consumed_queues(app):
-        return
-    from governance.sanitizer.core import get_sanitizer, load_nlp
-
-    get_sanitizer()
-    load_nlp()("warm up")
-    log.info("sanitizer loaded")

@@ -177,7 +177,7 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
         # the sanitizer before its first heartbeat; the gpu worker runs training jobs).
         banner_at = next(i for i, line in enumerate(up.lines) if "Steward is up" in line)
         loaded_at = next((i for i, line in enumerate(up.lines)
-                          if line.startswith("worker ") and "sanitizer loaded" in line), None)
+                          if line.startswith("worker ") and "ready." in line), None)
         assert loaded_at is not None and loaded_at < banner_at, up.output[-4000:]
         assert "Steward is up.\n" in up.output + "\n" and "warming up" not in up.output
         assert any(line.startswith("gpu-worker") and "ready." in line
@@ -377,3 +377,76 @@ def test_restart_backoff_doubles_up_to_a_bound_and_resets_after_a_stable_run(tmp
     child.started_at = 2000.0
     assert child.schedule_restart(2000.0 + RESTART_STABLE_SECONDS) == 1  # healthy again
     assert child.restart_at == 2000.0 + RESTART_STABLE_SECONDS + 1
+
+
+@pytest.mark.timeout(900)
+def test_up_runs_a_training_job_launched_over_rest(tmp_path, throwaway_database):
+    """Issue 13.2: under `steward up` a GRPO job launched over REST on an approved version is
+    taken by the gpu-queue worker `make up` starts, and completes (it stayed "queued" forever
+    when no worker listened on that queue)."""
+    var = tmp_path / "var"
+    web_port, proxy_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"STEWARD_MASTER_KEY", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE",
+                        "STEWARD_UPSTREAM_URL", "STEWARD_SPOOL_DIR", "STEWARD_CELERY_EAGER"}}
+    env.update(STEWARD_VAR_DIR=str(var), STEWARD_WEB_PORT=str(web_port),
+               STEWARD_PROXY_PORT=str(proxy_port), NO_COLOR="1",
+               DATABASE_URL=throwaway_database)
+    up = Up(env)
+    try:
+        up.wait_ready(timeout=200)
+        base_url, key, token = up.value("base_url"), up.value("proxy key"), up.value("api token")
+        console = up.value("console")
+        tenant = re.search(r"\(tenant (\S+),", up.output).group(1)
+        trajectories = {}
+        with OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30) as client:
+            for a, b in ((3, 4), (5, 2)):
+                raw = client.chat.completions.with_raw_response.create(
+                    model="demo-model", messages=[{"role": "user", "content": f"{a}+{b}="}],
+                    extra_headers={"X-Steward-Session": f"sum-{a}-{b}-{uuid.uuid4()}"})
+                trajectories[raw.headers["x-steward-trajectory"]] = a + b
+        comp = subprocess.run(
+            [*steward_cmd(), "manage", "create_api_token", "--tenant", tenant, "--user", "comp",
+             "--role", "compliance"], cwd=REPO, capture_output=True, text=True, timeout=120,
+            env={**env, "STEWARD_MASTER_KEY_FILE": str(var / "master.key")})
+        assert comp.returncode == 0, comp.stderr[-2000:]
+        comp_token = comp.stdout.strip().splitlines()[-1]
+        admin = httpx.Client(base_url=console + "api/v1/", timeout=30,
+                             headers={"Authorization": f"Bearer {token}"})
+        officer = httpx.Client(base_url=console + "api/v1/", timeout=30,
+                               headers={"Authorization": f"Bearer {comp_token}"})
+        with admin, officer:
+            deadline = time.monotonic() + 90
+            for tid in trajectories:
+                while admin.get(f"trajectories/{tid}/").json().get("status") != "complete":
+                    assert time.monotonic() < deadline, up.output[-3000:]
+                    time.sleep(0.5)
+            for tid, answer in trajectories.items():
+                r = admin.post("rewards/", json={"trajectory_id": tid, "name": "reference",
+                                                 "value": float(answer)})
+                assert r.status_code in (200, 201), r.text
+            r = admin.post("datasets/", json={"name": "sums"})
+            assert r.status_code == 201, r.text
+            r = admin.post(f"datasets/{r.json()['id']}/freeze/")
+            assert r.status_code == 201 and r.json()["size"] == 2, r.text
+            vid = r.json()["id"]
+            assert admin.post(f"dataset-versions/{vid}/request-approval/").status_code == 200
+            r = officer.post(f"dataset-versions/{vid}/approve/", json={"reason": "read it"})
+            assert r.status_code == 200, r.text
+            r = admin.post("training-jobs/", json={
+                "dataset_version": vid, "reward_fn": "reference_answer",
+                "config": {"total_steps": 2, "save_every": 2, "train_batch_size": 2,
+                           "group_size": 2, "max_response_length": 4, "seed": 1,
+                           "device": "cpu"}})
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            deadline = time.monotonic() + 600
+            job = r.json()
+            while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+                time.sleep(2)
+                job = admin.get(f"training-jobs/{job_id}/").json()
+            assert job["status"] == "completed", (job, up.output[-4000:])
+        assert "gpu-worker" in up.output and "run_training_job" in up.output
+        assert up.stop() == 0, up.output[-4000:]
+    finally:
+        up.force_cleanup()
