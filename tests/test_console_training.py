@@ -568,3 +568,20 @@ def test_a_stale_heartbeat_is_not_a_listening_worker(db):
                                    started_at=now, seen_at=now)
     assert workers_listening("gpu") == ["gpu@b"]
     assert workers_listening("capture") == ["steward@b"]
+
+
+def test_a_queued_job_page_says_when_no_worker_listens(client, people, tenant):
+    from django.utils import timezone
+
+    from governance.models import WorkerHeartbeat
+
+    users = login(client, people, "auditor") and people[0]
+    version = make_version(tenant, people)
+    queued = make_job(tenant, version, users["steward"], status="queued", step=0)
+    done = make_job(tenant, version, users["steward"], status="completed")
+    page = client.get(f"/training/{queued.pk}/").content.decode()
+    assert 'id="no-gpu-worker"' in page and "No worker listens on the gpu queue" in page
+    assert 'id="no-gpu-worker"' not in client.get(f"/training/{done.pk}/").content.decode()
+    now = timezone.now()
+    WorkerHeartbeat.objects.create(hostname="gpu@h", queues=["gpu"], started_at=now, seen_at=now)
+    assert 'id="no-gpu-worker"' not in client.get(f"/training/{queued.pk}/").content.decode()

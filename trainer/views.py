@@ -285,6 +285,10 @@ def training_job(request: HttpRequest, job_id: int) -> HttpResponse:
     }
     if request.htmx:
         return render(request, "console/training_job.html#live", context)
+    # A queued job with nothing to take it: say so (one query, only then).
+    context["no_gpu_worker"] = (job.status == TrainingJob.Status.QUEUED
+                                and not workers_listening("gpu"))
+    context["gpu_stale_seconds"] = int(STALE_AFTER_SECONDS)
     return render(request, "console/training_job.html", context)
 
 
