@@ -281,7 +281,17 @@ def test_server_url(var_dir: Path) -> str:
             pg_ctl(["-w", "-t", "60", "-o", options, "-l", str(pgdata / "log"), "start"],
                    pgdata=pgdata, user=user, timeout=90)
         url = f"postgresql://{TEST_SUPERUSER}@127.0.0.1:{port}"
+        import socket
+
         import psycopg
+
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except OSError as exc:
+            raise RuntimeError(
+                f"the embedded test PostgreSQL in {pgdata} is running but 127.0.0.1:{port} does "
+                f"not answer ({exc}); was it started in another network namespace? Stop it "
+                "with `.venv/bin/steward down`.") from exc
 
         with psycopg.connect(f"{url}/postgres", autocommit=True) as conn:
             for name in (DATABASE_NAME, TEST_BROKER_DATABASE):
