@@ -11,3 +11,9 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 # The evolution control plane's tasks (trainer/evolution_tasks.py, issue 7).
 app.autodiscover_tasks(related_name="evolution_tasks")
+
+# Every worker reports itself (governance/workers.py: the console's "is a gpu worker up?") and,
+# on the capture queue, loads the sanitizer before its pool forks.
+from governance.workers import Heartbeat  # noqa: E402
+
+app.steps["consumer"].add(Heartbeat)

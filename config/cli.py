@@ -5,8 +5,10 @@ unset), migrates, creates the demo tenant/login/key, and then supervises the pro
 appliance as children: the web console + REST API (gunicorn), the proxy (mitmdump with the
 Steward addon), the spool shipper, a Celery worker and Celery beat — plus a small demo
 OpenAI-compatible upstream when STEWARD_UPSTREAM_URL is unset. Their output goes to the terminal
-with a name prefix and to var/log/<name>.log. Ctrl-C (or SIGTERM) stops them all gracefully; if
-one dies on its own, the others are stopped too and the exit code is non-zero.
+with a name prefix and to var/log/<name>.log. Ctrl-C (or SIGTERM) stops them all gracefully. One
+that dies on its own after start-up is restarted with bounded exponential backoff while the
+others keep running (the proxy keeps serving; the spool and the broker hold the work); during
+start-up a death stops everything with a non-zero exit code.
 
 `steward run SERVICE` execs one of those processes with the same command line, for systemd
 units and containers (deploy/); `steward down` stops what a killed `steward up` left behind
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import os
 import secrets
@@ -33,8 +36,17 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_WEB_PORT = 8000
 DEFAULT_PROXY_PORT = 8080
 STARTUP_TIMEOUT = 90.0  # seconds for the web and proxy ports to accept
+WORKER_READY_TIMEOUT = 180.0  # seconds for both Celery workers' first heartbeat
 GRACE_SECONDS = 15.0  # SIGTERM -> SIGKILL
 TAIL_LINES = 25
+# A service that dies after start-up is restarted, the others keep running (the proxy keeps
+# serving: the spool holds what the shipper has not moved yet, the broker what no worker has
+# taken). The delay doubles with each death in a row, from RESTART_BASE_SECONDS up to
+# RESTART_MAX_SECONDS, so a service that crashes at once does not spin; one that ran for
+# RESTART_STABLE_SECONDS counts as healthy again and starts back at the base delay.
+RESTART_BASE_SECONDS = 1.0
+RESTART_MAX_SECONDS = 30.0
+RESTART_STABLE_SECONDS = 60.0
 
 
 class Stop(BaseException):
@@ -163,10 +175,14 @@ class Child:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc: subprocess.Popen | None = None
         self._pump: threading.Thread | None = None
-        label = f"{name:<8} | "
+        self.started_at = 0.0  # time.monotonic() of the latest start
+        self.deaths_in_a_row = 0
+        self.restart_at: float | None = None  # set while a restart is pending
+        label = f"{name:<10} | "
         self.prefix = f"\x1b[{color}m{label}\x1b[0m" if _tty() else label
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self._log: IO[str] = open(self.log_path, "a", buffering=1)  # noqa: SIM115
         self._log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start: "
                         f"{' '.join(self.argv)}\n")
@@ -225,6 +241,26 @@ class Child:
             self._pump.join(timeout=2)
         if getattr(self, "_log", None) is not None:
             self._log.close()
+
+    def schedule_restart(self, now: float) -> float:
+        """After a death: when to start again (bounded exponential backoff); returns the
+        delay in seconds."""
+        if now - self.started_at >= RESTART_STABLE_SECONDS:
+            self.deaths_in_a_row = 0
+        self.deaths_in_a_row += 1
+        delay = min(RESTART_MAX_SECONDS, RESTART_BASE_SECONDS * 2 ** (self.deaths_in_a_row - 1))
+        self.restart_at = now + delay
+        return delay
+
+    def restart(self) -> None:
+        # What the dead leader left in its group (Celery pool processes, gunicorn workers)
+        # would hold ports and broker messages: it goes first.
+        self.kill_group(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+        self.close()
+        self.restart_at = None
+        self.start()
 
 
 def stop_children(children: list[Child], grace: float = GRACE_SECONDS) -> None:
@@ -387,6 +423,8 @@ class Launcher:
         self.embedded = False
         self.env: dict[str, str] = {}
         self.shutting_down = False
+        # Heartbeats older than this launch belong to an earlier run (governance/workers.py).
+        self.launched_at = datetime.datetime.now(datetime.UTC)
 
     # signals: the first one unwinds start-up or ends the supervision loop; during shutdown
     # a second one skips the grace period.
@@ -504,14 +542,44 @@ class Launcher:
         cfg = ServiceConfig(var_dir=self.var_dir, host=self.web_host, web_port=self.web_port,
                             proxy_port=self.proxy_port, upstream=self.upstream,
                             access_log=str(self.log_dir / "web-access.log"))
-        for name in ("web", "proxy", "shipper", "worker", "beat"):
+        # The gpu-queue worker runs training jobs and evolution gates on the CPU here, one at a
+        # time (concurrency 1); a GPU host runs `steward run gpu-worker` instead.
+        for name in ("web", "proxy", "shipper", "worker", "gpu-worker", "beat"):
             self._child(name, service_argv(name, cfg, single_host=True))
 
         # 6. Ready when the web and proxy ports accept.
         self._wait_ports([("web", self.web_port), ("proxy", self.proxy_port)],
                          timeout=STARTUP_TIMEOUT)
         self._wait_proxy_knows_key(timeout=30)
-        self.print_banner()
+        ready = self._wait_workers_ready(timeout=WORKER_READY_TIMEOUT)
+        self.print_banner(workers_ready=ready)
+
+    def _wait_workers_ready(self, timeout: float) -> bool:
+        """Wait until both Celery workers reported in (governance/workers.py: a heartbeat row
+        started after this launch). The capture worker loads the sanitizer before its first
+        heartbeat, so after this the first call's steps are built in seconds. False after
+        `timeout`: the banner then says the workers are still warming up."""
+        import psycopg
+
+        say("waiting for the Celery workers (the capture worker loads the sanitizer first)")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = self._check_children()
+            if dead is not None:
+                self._report_death(dead)
+                raise StartupError(f"{dead.name} exited during start-up")
+            try:
+                with psycopg.connect(self.env["DATABASE_URL"], connect_timeout=5) as conn:
+                    rows = conn.execute(
+                        "SELECT queues FROM governance_workerheartbeat WHERE started_at >= %s",
+                        [self.launched_at]).fetchall()
+            except psycopg.Error:
+                rows = []
+            consumed = {q for (queues,) in rows for q in queues}
+            if {"capture", "gpu"} <= consumed:
+                return True
+            time.sleep(0.5)
+        return False
 
     def _wait_proxy_knows_key(self, timeout: float) -> None:
         """The proxy loads its key table in a background thread after it starts listening;
@@ -577,13 +645,19 @@ class Launcher:
             time.sleep(0.2)
 
     def supervise(self) -> int:
+        """Until a signal (Stop): restart whatever dies, with backoff, and log it."""
         while True:
-            dead = self._check_children()
-            if dead is not None:
-                self.shutting_down = True
-                self._report_death(dead)
-                say("stopping the other processes")
-                return 1
+            now = time.monotonic()
+            for child in self.children:
+                if child.restart_at is None and not child.running():
+                    self._report_death(child)
+                    delay = child.schedule_restart(now)
+                    say(f"restarting {child.name} in {delay:.0f}s "
+                        f"(death {child.deaths_in_a_row} in a row; the others keep running)")
+                elif child.restart_at is not None and now >= child.restart_at:
+                    child.restart()
+                    write_run_file(self.run_file, self.children)
+                    say(f"{child.name} restarted (pid {child.pid})")
             time.sleep(0.5)
 
     def shutdown(self) -> None:
@@ -597,7 +671,7 @@ class Launcher:
                 say("embedded PostgreSQL stopped")
         self.run_file.unlink(missing_ok=True)
 
-    def print_banner(self) -> None:
+    def print_banner(self, workers_ready: bool = True) -> None:
         c = self.creds
         shown = "127.0.0.1" if self.web_host in ("0.0.0.0", "", "::") else self.web_host
         base_url = f"http://{shown}:{self.proxy_port}/v1"
@@ -605,8 +679,12 @@ class Launcher:
         upstream = self.upstream + (" (demo model server)" if self.demo_upstream else "")
         database = "embedded PostgreSQL (var/pg)" if self.embedded else "DATABASE_URL"
         model = "demo-model" if self.demo_upstream else "<your model>"
+        status = ("Steward is up." if workers_ready else
+                  "Steward is up, but the Celery workers are still warming up: calls are "
+                  "captured now,\ntheir steps (and any training job) wait until the workers "
+                  f"report in (see {self.log_dir / 'worker.log'}).")
         say(f"""
-Steward is up.
+{status}
 
   base_url:   {base_url}
   proxy key:  {c['proxy_key']}   (tenant {c['tenant']}, agent {c['agent']})
@@ -669,10 +747,13 @@ def down() -> int:
                 os.kill(entry["pid"], signal.SIGKILL)
         run_file.unlink(missing_ok=True)
 
-    from config.embedded import stop_embedded
+    from config.embedded import stop_embedded, test_pgdata_dir
 
     if stop_embedded(var_dir):
         print(f"embedded PostgreSQL stopped ({var_dir / 'pg'})")
+        stopped_any = True
+    if stop_embedded(var_dir, pgdata=test_pgdata_dir(var_dir)):  # left running by `make test`
+        print(f"embedded test PostgreSQL stopped ({test_pgdata_dir(var_dir)})")
         stopped_any = True
     if not stopped_any:
         print(f"nothing to stop under {var_dir}")
@@ -698,7 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
         "beat) on embedded defaults; configure it with environment variables (see "
         "deploy/steward.env.sample).",
         epilog="Management commands (tenants, keys, tokens, users, audit): "
-        "python manage.py help.",
+        "steward manage help.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     up = sub.add_parser(
@@ -730,6 +811,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("extra", nargs=argparse.REMAINDER,
                      help="extra arguments for gunicorn, mitmdump or celery")
     sub.add_parser(
+        "manage", help="a Django management command, e.g. `steward manage create_tenant SLUG` "
+        "(`steward manage help` lists them)", add_help=False)
+    sub.add_parser(
         "down", help="stop a running or left-over `steward up` and its embedded PostgreSQL",
         description="Stop what `steward up` left running under STEWARD_VAR_DIR (default "
         "<repo>/var): a running `steward up`, orphaned children of a killed one, and the "
@@ -738,7 +822,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def manage(args: list[str]) -> int:
+    """`steward manage COMMAND ...`: Django's manage.py with this environment's interpreter
+    (so it works without activating .venv), e.g. `.venv/bin/steward manage create_tenant acme`.
+    Configured like the services: DATABASE_URL, else the embedded PostgreSQL."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(["steward manage", *args])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["manage"]:
+        # Before argparse: every option after the command name is the command's own.
+        return manage(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "up":

@@ -158,9 +158,10 @@ def embedded_database_url(var_dir: Path) -> str:
     return embedded_database_urls(var_dir)[0]
 
 
-def running_pid(var_dir: Path) -> int | None:
-    """The postmaster's pid when the embedded server under var_dir is running, else None."""
-    pid_file = pgdata_dir(var_dir) / "postmaster.pid"
+def running_pid(var_dir: Path, pgdata: Path | None = None) -> int | None:
+    """The postmaster's pid when the embedded server under var_dir (or the one on `pgdata`)
+    is running, else None."""
+    pid_file = (pgdata or pgdata_dir(var_dir)) / "postmaster.pid"
     try:
         pid = int(pid_file.read_text().splitlines()[0])
     except (FileNotFoundError, IndexError, ValueError):
@@ -174,9 +175,11 @@ def running_pid(var_dir: Path) -> int | None:
     return pid
 
 
-def stop_embedded(var_dir: Path, timeout: float = 30.0) -> bool:
-    """Stop the embedded server if one is running under var_dir; True when one was stopped."""
-    pid = running_pid(var_dir)
+def stop_embedded(var_dir: Path, timeout: float = 30.0, pgdata: Path | None = None) -> bool:
+    """Stop the embedded server if one is running under var_dir (or on `pgdata`, e.g. the
+    test server's test_pgdata_dir); True when one was stopped."""
+    pgdata = pgdata or pgdata_dir(var_dir)
+    pid = running_pid(var_dir, pgdata)
     if pid is None:
         return False
     from pgserver._commands import pg_ctl
@@ -185,7 +188,7 @@ def stop_embedded(var_dir: Path, timeout: float = 30.0) -> bool:
     try:
         # "fast": roll back open transactions and disconnect clients, then a clean shutdown.
         pg_ctl(["-m", "fast", "-w", "-t", str(int(timeout)), "stop"],
-               pgdata=pgdata_dir(var_dir), user=user, timeout=timeout + 5)
+               pgdata=pgdata, user=user, timeout=timeout + 5)
     except Exception:  # noqa: BLE001 - fall back to signalling the postmaster directly
         try:
             os.kill(pid, signal.SIGINT)  # PostgreSQL's "fast shutdown" signal
@@ -193,7 +196,7 @@ def stop_embedded(var_dir: Path, timeout: float = 30.0) -> bool:
             return True
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if running_pid(var_dir) is None:
+        if running_pid(var_dir, pgdata) is None:
             return True
         time.sleep(0.1)
     try:
@@ -201,3 +204,98 @@ def stop_embedded(var_dir: Path, timeout: float = 30.0) -> bool:
     except ProcessLookupError:
         pass
     return True
+
+
+# --- the test server ----------------------------------------------------------------------
+# `make test` with DATABASE_URL unset (a fresh machine): a second embedded PostgreSQL, under
+# var/pg-test, that listens on 127.0.0.1 as well as its socket. The test suite needs what a CI
+# server gives it: a superuser that may create the test database, roles and settings, and can
+# read past row-level security for fixtures and assertions (tests/conftest.py); and a TCP port,
+# because several tests put a cuttable TCP relay between a process and PostgreSQL
+# (tests/relay.py). The appliance's own server (var/pg) stays socket-only and keeps its
+# NOCREATEDB roles. Authentication is `trust` (pgserver's initdb): a test-only cluster with no
+# data worth protecting, on loopback only. Durability is off: nothing in it must survive a crash.
+TEST_PGDATA = "pg-test"
+TEST_SUPERUSER = "postgres"
+TEST_BROKER_DATABASE = "steward_broker"
+
+
+def test_pgdata_dir(var_dir: Path) -> Path:
+    return Path(var_dir).resolve() / TEST_PGDATA
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _running_tcp_port(pgdata: Path) -> int | None:
+    """The TCP port of a running server on pgdata (postmaster.pid's fourth line), else None."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+        pid, port, status = int(lines[0]), int(lines[3]), lines[7].strip()
+    except (FileNotFoundError, IndexError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, run as the pgserver system user
+    return port if status == "ready" else None
+
+
+def test_server_url(var_dir: Path) -> str:
+    """Start (or attach to) the test server and return its superuser URL for the `steward`
+    database, e.g. postgresql://postgres@127.0.0.1:41234/steward. The broker database
+    (TEST_BROKER_DATABASE, kombu's SQLAlchemy transport) exists too."""
+    from pgserver._commands import initdb, pg_ctl
+
+    pgdata = test_pgdata_dir(var_dir)
+    pgdata.mkdir(parents=True, exist_ok=True)
+    user = None
+    if os.geteuid() == 0:
+        # PostgreSQL refuses to run as root; pgserver's own helpers run it as `pgserver`.
+        from pgserver._commands import POSTGRES_BIN_PATH
+        from pgserver.utils import ensure_prefix_permissions, ensure_user_exists
+
+        entry = ensure_user_exists(PGSERVER_SYSTEM_USER)
+        ensure_prefix_permissions(pgdata)
+        ensure_prefix_permissions(POSTGRES_BIN_PATH)
+        os.chown(pgdata, entry.pw_uid, entry.pw_gid)
+        user = PGSERVER_SYSTEM_USER
+    with open(pgdata.parent / "pg-test.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel pytest runs start it once
+        port = _running_tcp_port(pgdata)
+        if port is None:
+            if not (pgdata / "PG_VERSION").exists():
+                initdb(["--auth=trust", "--auth-local=trust", "--encoding=utf8",
+                        "-U", TEST_SUPERUSER], pgdata=pgdata, user=user)
+            port = _free_tcp_port()
+            options = (f"-h 127.0.0.1 -p {port} -k {pgdata} -c fsync=off "
+                       "-c synchronous_commit=off -c full_page_writes=off "
+                       "-c max_connections=300")
+            pg_ctl(["-w", "-t", "60", "-o", options, "-l", str(pgdata / "log"), "start"],
+                   pgdata=pgdata, user=user, timeout=90)
+        url = f"postgresql://{TEST_SUPERUSER}@127.0.0.1:{port}"
+        import socket
+
+        import psycopg
+
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except OSError as exc:
+            raise RuntimeError(
+                f"the embedded test PostgreSQL in {pgdata} is running but 127.0.0.1:{port} does "
+                f"not answer ({exc}); was it started in another network namespace? Stop it "
+                "with `.venv/bin/steward down`.") from exc
+
+        with psycopg.connect(f"{url}/postgres", autocommit=True) as conn:
+            for name in (DATABASE_NAME, TEST_BROKER_DATABASE):
+                if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                                [name]).fetchone() is None:
+                    conn.execute(f'CREATE DATABASE "{name}"')
+    return f"{url}/{DATABASE_NAME}"

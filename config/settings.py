@@ -229,7 +229,8 @@ LOGGING = {
     },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("STEWARD_LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    # pgserver logs every start, attach and pg_ctl call at INFO: noise in every command.
+    "loggers": {"django.db.backends": {"level": "WARNING"}, "pgserver": {"level": "WARNING"}},
 }
 
 # --- HTTPS, cookies, sessions ---------------------------------------------------------------

@@ -31,7 +31,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from governance.atdp import atdp_schema, trajectory_document, trajectory_rewards
+from governance.atdp import (
+    atdp_schema,
+    trajectory_document,
+    trajectory_rewards,
+    with_capture_status,
+)
 from governance.audit import audit_event_count, verify_chain
 from governance.models import (
     AuditEvent,
@@ -181,6 +186,7 @@ class TrajectoryViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenant
         qs = qs.select_related("agent", "tenant")
         if self.action != "list":
             return qs
+        qs = with_capture_status(qs, self.request.tenant)
         params = TrajectoryFilterSerializer(data=self.request.query_params)
         params.is_valid(raise_exception=True)
         f = params.validated_data

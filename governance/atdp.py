@@ -132,6 +132,27 @@ def with_finding_counts(steps: QuerySet) -> QuerySet:
                                                 output_field=JSONField()))
 
 
+# A trajectory's `status`: "processing" while a shipped call is waiting for its step (the
+# worker has not built it yet — e.g. in the first minute after start-up, or during a backlog),
+# else "quarantined" when a call could not become a step, else "complete".
+PROCESSING, QUARANTINED, COMPLETE = "processing", "quarantined", "complete"
+
+
+def capture_status(pending: bool, quarantined: bool) -> str:
+    return PROCESSING if pending else QUARANTINED if quarantined else COMPLETE
+
+
+def with_capture_status(qs: QuerySet, tenant) -> QuerySet:
+    """Trajectories annotated with `pending_calls` / `quarantined_calls` (two EXISTS on the
+    interactions' (trajectory, state) rows), for capture_status on list pages."""
+    from django.db.models import Exists, OuterRef
+
+    calls = Interaction.objects.for_tenant(tenant).filter(trajectory_id=OuterRef("pk"))
+    return qs.annotate(
+        pending_calls=Exists(calls.filter(state=Interaction.State.CAPTURED)),
+        quarantined_calls=Exists(calls.filter(state=Interaction.State.QUARANTINED)))
+
+
 def quarantined_interactions(traj: Trajectory) -> list[dict]:
     """The trajectory's calls that never became a step: quarantined (unparseable, or the
     sanitizer failed — never training-eligible) or not built yet."""
@@ -226,6 +247,9 @@ def trajectory_document(traj: Trajectory) -> dict:
         "started_at": _iso(traj.started_at),
         "last_step_at": _iso(traj.last_step_at),
         "step_count": len(steps),
+        "status": capture_status(
+            any(u["state"] == Interaction.State.CAPTURED for u in unbuilt),
+            any(u["state"] == Interaction.State.QUARANTINED for u in unbuilt)),
         "steps": step_docs,
         "rewards": rewards,
         "governance": {

@@ -727,3 +727,16 @@ class SpoolState(models.Model):
     # shipped (or dead-lettered).
     drained_through = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField()
+
+
+class WorkerHeartbeat(models.Model):
+    """One Celery worker that is up, and the queues it consumes (governance/workers.py writes
+    it every HEARTBEAT_SECONDS and deletes it on a clean stop). It is how the console knows
+    whether anything listens on the `gpu` queue with any broker — kombu's SQLAlchemy
+    transport, the embedded default, has no broadcast, so Celery's inspect/ping cannot reach a
+    worker there. No tenant data: a host name and queue names."""
+
+    hostname = models.CharField(max_length=255, primary_key=True)
+    queues = models.JSONField(default=list)
+    started_at = models.DateTimeField()
+    seen_at = models.DateTimeField(db_index=True)

@@ -4,10 +4,12 @@ pass `request.tenant` to the services."""
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from governance.atdp import capture_status, with_capture_status
 from governance.models import (
     Approval,
     AuditEvent,
@@ -22,15 +24,22 @@ from governance.models import (
 
 class TrajectorySummarySerializer(serializers.ModelSerializer):
     agent = serializers.SerializerMethodField()
+    status = serializers.SerializerMethodField(
+        help_text="processing (a captured call is still waiting for its step), quarantined, "
+        "or complete; step_count counts the calls captured, built or not")
 
     class Meta:
         model = Trajectory
         fields = ["id", "agent", "session_id", "source", "started_at", "last_step_at",
-                  "step_count", "consent"]
+                  "step_count", "status", "consent"]
         read_only_fields = fields
 
     def get_agent(self, obj: Trajectory) -> dict:
         return {"id": obj.agent_id, "name": obj.agent.name}
+
+    def get_status(self, obj: Trajectory) -> Literal["processing", "quarantined", "complete"]:
+        # Annotated by the viewset (governance.atdp.with_capture_status).
+        return capture_status(obj.pending_calls, obj.quarantined_calls)
 
 
 class TrajectoryFilterSerializer(serializers.Serializer):
@@ -173,7 +182,8 @@ class DatasetVersionDetailSerializer(DatasetVersionSerializer):
     def get_sample(self, obj: DatasetVersion) -> list:
         trajs = (Trajectory.objects.for_tenant(obj.tenant_id)
                  .filter(pk__in=obj.sample_ids).select_related("agent").order_by("pk"))
-        return TrajectorySummarySerializer(trajs, many=True).data
+        return TrajectorySummarySerializer(with_capture_status(trajs, obj.tenant_id),
+                                           many=True).data
 
 
 class DatasetVersionFilterSerializer(serializers.Serializer):

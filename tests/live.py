@@ -65,12 +65,10 @@ def database_url_from_django(role: str | None = None) -> str:
     return url
 
 
-def proxy_database_role() -> str | None:
-    """The role the proxy subprocess connects as: the app role once proxy/keys.py reads the
-    key table through the SECURITY DEFINER function steward_proxy_keys() (row-level security
-    shows the app role no key row otherwise), else DATABASE_URL's user as before."""
-    keys_source = (REPO / "proxy" / "keys.py").read_text()
-    return "steward_app" if "steward_proxy_keys" in keys_source else None
+# The role the proxy subprocess connects as: the app role, as in production. It reads the key
+# table through the SECURITY DEFINER function steward_proxy_keys(); row-level security shows
+# the app role no key row otherwise, so a proxy that read the table directly fails here.
+PROXY_DATABASE_ROLE = "steward_app"
 
 
 def _libpq_url(s: dict) -> str:
@@ -301,7 +299,7 @@ def start_proxy(transactional_db, tmp_path, mitmproxy_confdir) -> Iterator[Any]:
             **os.environ,
             "PYTHONPATH": str(REPO),
             "PYTHONUNBUFFERED": "1",  # the log file is read by tests while it runs
-            "DATABASE_URL": database_url_from_django(proxy_database_role()),
+            "DATABASE_URL": database_url_from_django(PROXY_DATABASE_ROLE),
             "STEWARD_SPOOL_DIR": str(spool),
             "STEWARD_MASTER_KEY": os.environ["STEWARD_MASTER_KEY"],
             "STEWARD_UPSTREAM_API_KEY": UPSTREAM_API_KEY,
@@ -357,6 +355,6 @@ def proxy_key(transactional_db, steward_proxy) -> LiveKey:
     return LiveKey(issued.secret, issued.record, tenant, issued.record.agent)
 
 
-__all__ = ["LiveKey", "ProxyProcess", "UPSTREAM_API_KEY", "celery_worker",
+__all__ = ["PROXY_DATABASE_ROLE", "LiveKey", "ProxyProcess", "UPSTREAM_API_KEY", "celery_worker",
            "database_url_from_django", "free_port", "master_key", "read_spool", "serve_app",
            "wait_for_key", "wait_for_port", "wait_for_rejection"]

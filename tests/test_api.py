@@ -79,7 +79,8 @@ def test_list_is_scoped_newest_first_with_summaries(world, owner, auditor, outsi
     assert (item["session_id"], item["source"], item["step_count"], item["consent"]) == (
         "s-1", "session", 2, "train")
     assert set(item) == {"id", "agent", "session_id", "source", "started_at", "last_step_at",
-                         "step_count", "consent"}
+                         "step_count", "status", "consent"}
+    assert item["status"] == "complete"
 
 
 def test_other_tenants_objects_answer_404(world, owner, outsider):
@@ -243,3 +244,46 @@ def test_scoping_cannot_be_bypassed_by_a_subclass():
     with pytest.raises(TypeError):
         class Leaky2(TenantScopedViewSet):  # noqa: F841
             queryset = Trajectory.objects.all()
+
+
+def test_a_trajectory_whose_steps_are_not_built_yet_says_processing(
+        tenant, make_member, api_client_for, client, tmp_path):
+    """Issue 13.3: shipped, no step built yet (the worker is warming up or behind): REST list,
+    the ATDP document and both console pages say "processing"; once built, "complete"; a call
+    that cannot become a step, "quarantined"."""
+    from governance.models import Interaction
+    from governance.services import ensure_agent
+    from governance.tasks import build_steps
+    from proxy.shipper import ship_once
+    from tests.pipeline import write_records
+
+    agent = ensure_agent("system:test", tenant, "support-bot")
+    traj, bad = str(uuid.uuid4()), str(uuid.uuid4())
+    write_records(tmp_path, [
+        make_record(tenant.pk, agent.pk, trajectory_id=traj, response=chat_response("hi")),
+        make_record(tenant.pk, agent.pk, trajectory_id=bad, response=b"\x89PNG not json"),
+    ])
+    ship_once(tmp_path, enqueue=None)  # shipped; no worker has built anything yet
+    user = make_member("steward", "stew")
+    api = api_client_for(user, tenant)
+    client.force_login(user)
+
+    def statuses() -> dict[str, str]:
+        listed = {t["id"]: t["status"] for t in api.get("/api/v1/trajectories/").json()["results"]}
+        for tid in (traj, bad):
+            assert api.get(f"/api/v1/trajectories/{tid}/").json()["status"] == listed[tid]
+        return listed
+
+    assert statuses() == {traj: "processing", bad: "processing"}
+    doc = api.get(f"/api/v1/trajectories/{traj}/").json()
+    assert doc["steps"] == [] and doc["governance"]["quarantined"][0]["state"] == "captured"
+    listing = client.get("/trajectories/").content.decode()
+    assert listing.count(">processing ×1</span>") == 2
+    page = client.get(f"/trajectories/{traj}/").content.decode()
+    assert 'id="capture-status">processing' in page and "1 call waiting" in page
+
+    build_steps(list(Interaction.objects.values_list("pk", flat=True)))
+    assert statuses() == {traj: "complete", bad: "quarantined"}
+    listing = client.get("/trajectories/").content.decode()
+    assert ">processing ×" not in listing and ">quarantined ×1</span>" in listing
+    assert 'id="capture-status"' not in client.get(f"/trajectories/{traj}/").content.decode()

@@ -297,3 +297,36 @@ def test_commands_as_processes_exit_codes_and_last_line(tmp_path):
 
     r = _manage("create_user", "--help")
     assert r.returncode == 0 and "STEWARD_PASSWORD" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_steward_manage_works_as_the_readme_writes_it_on_the_embedded_database(tmp_path):
+    """Issue 13.3: `.venv/bin/steward manage ...` (no activated venv, nothing configured: the
+    embedded PostgreSQL under STEWARD_VAR_DIR) runs the command, and pgserver's INFO lines do
+    not drown its output."""
+    from config.embedded import stop_embedded
+
+    steward = Path(sys.executable).parent / "steward"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DATABASE_", "CELERY_", "DJANGO_", "STEWARD_", "VIRTUAL_ENV"))}
+    env.update(STEWARD_VAR_DIR=str(tmp_path / "var"), STEWARD_MASTER_KEY=os.environ[
+        "STEWARD_MASTER_KEY"], PATH="/usr/bin:/bin")  # no .venv/bin on PATH
+    try:
+        for args in (["migrate", "--noinput", "-v", "0"], ["create_tenant", "newco"]):
+            proc = subprocess.run([str(steward), "manage", *args], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=240)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "INFO pgserver" not in proc.stdout + proc.stderr
+        assert "newco" in proc.stdout + proc.stderr
+    finally:
+        stop_embedded(tmp_path / "var")
+
+
+def test_steward_manage_passes_every_option_through(capsys):
+    from config.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["manage", "create_tenant", "--help"])
+    assert exc.value.code == 0
+    assert "usage: steward manage create_tenant" in capsys.readouterr().out

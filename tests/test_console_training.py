@@ -502,3 +502,86 @@ def test_browser_draws_the_curves_and_redraws_them_live(console, people, world):
     cp.go(f"/checkpoints/{world['tainted'].pk}/")
     cp.shot("checkpoint-tainted")
     cp.assert_clean()
+
+
+# --- is anything listening on the gpu queue? (issue 13.2) -------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_page_says_when_no_worker_listens_on_the_gpu_queue(client, people, transactional_db,
+                                                                tmp_path):
+    """A real Celery worker on the gpu queue reports itself (governance/workers.py); the page
+    warns before it starts, not while it runs, and again once it stopped. A worker on the
+    capture queue only does not count."""
+    import time
+
+    from governance.models import WorkerHeartbeat
+    from tests.live import celery_worker
+
+    login(client, people, "steward")
+
+    def warned() -> bool:
+        response = client.get("/training/")
+        assert response.status_code == 200
+        return 'id="no-gpu-worker"' in response.content.decode()
+
+    def wait_for(predicate, what: str, log) -> None:
+        deadline = time.monotonic() + 120
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; worker log:\n"
+                                     + log.read_text()[-3000:])
+            time.sleep(0.3)
+
+    assert warned()
+    body = client.get("/training/").content.decode()
+    assert "No worker listens on the gpu queue" in body and "stays" in body
+    capture_log = tmp_path / "capture.log"
+    with celery_worker("capture", capture_log, "capture-only"):
+        wait_for(lambda: WorkerHeartbeat.objects.exists(), "the capture worker", capture_log)
+        assert warned()  # it does not consume gpu
+    log = tmp_path / "gpu.log"
+    with celery_worker("gpu", log, "gpu-test"):
+        wait_for(lambda: not warned(), "the gpu worker's heartbeat", log)
+        row = WorkerHeartbeat.objects.get(queues__contains=["gpu"])
+        assert row.hostname.startswith("gpu-test-")
+    # A clean stop removes its row at once: warned again, no 30 s wait.
+    assert not WorkerHeartbeat.objects.filter(queues__contains=["gpu"]).exists()
+    assert warned()
+
+
+def test_a_stale_heartbeat_is_not_a_listening_worker(db):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from governance.models import WorkerHeartbeat
+    from governance.workers import STALE_AFTER_SECONDS, workers_listening
+
+    now = timezone.now()
+    WorkerHeartbeat.objects.create(hostname="gpu@a", queues=["gpu"], started_at=now,
+                                   seen_at=now - timedelta(seconds=STALE_AFTER_SECONDS + 1))
+    WorkerHeartbeat.objects.create(hostname="gpu@b", queues=["gpu"], started_at=now,
+                                   seen_at=now)
+    WorkerHeartbeat.objects.create(hostname="steward@b", queues=["capture", "celery"],
+                                   started_at=now, seen_at=now)
+    assert workers_listening("gpu") == ["gpu@b"]
+    assert workers_listening("capture") == ["steward@b"]
+
+
+def test_a_queued_job_page_says_when_no_worker_listens(client, people, tenant):
+    from django.utils import timezone
+
+    from governance.models import WorkerHeartbeat
+
+    users = login(client, people, "auditor") and people[0]
+    version = make_version(tenant, people)
+    queued = make_job(tenant, version, users["steward"], status="queued", step=0)
+    done = make_job(tenant, version, users["steward"], status="completed")
+    page = client.get(f"/training/{queued.pk}/").content.decode()
+    assert 'id="no-gpu-worker"' in page and "No worker listens on the gpu queue" in page
+    assert 'id="no-gpu-worker"' not in client.get(f"/training/{done.pk}/").content.decode()
+    now = timezone.now()
+    WorkerHeartbeat.objects.create(hostname="gpu@h", queues=["gpu"], started_at=now, seen_at=now)
+    assert 'id="no-gpu-worker"' not in client.get(f"/training/{queued.pk}/").content.decode()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import textwrap
 import time
@@ -257,6 +258,11 @@ def test_scripts_loaded_reloaded_and_unloaded_through_mitmproxy(tmp_path: Path, 
             await asyncio.sleep(0.01)
         await master.addons.handle_lifecycle(HttpRequestHook(f))
         path.write_text(textwrap.dedent(SCRIPT.format(tag="v2")))
+        # Python's bytecode cache trusts a source of the same size and mtime (in seconds):
+        # where bytecode is written (PYTHONDONTWRITEBYTECODE unset, a fresh machine) the
+        # reload would run the cached v1 without this.
+        stat = path.stat()
+        os.utime(path, (stat.st_atime, stat.st_mtime + 2))
         loader.addons[0].loadscript()  # ctx.master is this master (set by Master.__init__)
         await master.addons.handle_lifecycle(HttpRequestHook(f))
         master.options.update(scripts=[])

@@ -326,6 +326,14 @@ def _wait(pred, timeout: float, what: str, log: Path):
                          + (log.read_text()[-4000:] if log.exists() else ""))
 
 
+def _pg_dump() -> str:
+    """pgserver's pg_dump (PostgreSQL 16): it dumps the embedded test server and any older
+    server, where a distribution's pg_dump refuses a newer server and may not be installed."""
+    from pgserver._commands import POSTGRES_BIN_PATH
+
+    return str(POSTGRES_BIN_PATH / "pg_dump")
+
+
 def _files_containing(root: Path, needle: bytes) -> list[str]:
     hits = []
     for path in root.rglob("*"):
@@ -420,7 +428,7 @@ def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_mem
 
         # Nothing in clear: a dump of the whole database, var/ and the spool directory.
         dump = subprocess.run(
-            ["pg_dump", "-h", s["HOST"] or "127.0.0.1", "-p", str(s["PORT"] or 5432),
+            [_pg_dump(), "-h", s["HOST"] or "127.0.0.1", "-p", str(s["PORT"] or 5432),
              "-U", s["USER"], "--no-owner", s["NAME"]],
             capture_output=True, check=True).stdout
         assert len(dump) > 10_000 and b"governance_erasurerequest" in dump

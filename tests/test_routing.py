@@ -209,7 +209,7 @@ def test_restart_reloads_arms_recorded_on_shipped_trajectories(transactional_db)
     from governance.models import Trajectory
     from governance.routing import start_canary, stop_route
     from governance.services import create_tenant, ensure_agent
-    from tests.live import database_url_from_django, proxy_database_role
+    from tests.live import PROXY_DATABASE_ROLE, database_url_from_django
 
     tenant = create_tenant("system:test", "acme")[0]
     agent = ensure_agent("system:test", tenant, "bot")
@@ -223,14 +223,14 @@ def test_restart_reloads_arms_recorded_on_shipped_trajectories(transactional_db)
                                          started_at=now, last_step_at=now, route=route,
                                          route_arm=arm)
         arms[str(traj.pk)] = arm
-    table = RoutingTable(database_url_from_django(proxy_database_role()))
+    table = RoutingTable(database_url_from_django(PROXY_DATABASE_ROLE))
     table.load_initial()
     table.drop_connection()
     assert table.loaded_from == "database"
     assert table.snapshot.routes[(tenant.pk, agent.pk)].route_id == route.pk
     assert {t: table.plan(tenant.pk, agent.pk, t, "session").arm for t in arms} == arms
     stop_route("system:test", route, "done")
-    table = RoutingTable(database_url_from_django(proxy_database_role()))
+    table = RoutingTable(database_url_from_django(PROXY_DATABASE_ROLE))
     table.load_initial()
     table.drop_connection()
     assert not table.sessions and not table.snapshot.routes  # ended routes: nothing to keep

@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -28,7 +29,9 @@ from tests.pipeline import chat_response, make_record, write_records
 from tests.relay import TcpRelay
 
 ROOT = Path(__file__).resolve().parent.parent
-REDIS_URL = os.environ.get("STEWARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+# The Redis-broker test runs only where a Redis is named (.ci/run sets it); everything else uses
+# the configured broker (on a fresh machine kombu's SQLAlchemy transport, config/test_settings).
+REDIS_URL = os.environ.get("STEWARD_TEST_REDIS_URL", "")
 
 
 @pytest.fixture
@@ -255,7 +258,7 @@ def _child_env(db_port: int, **extra: str) -> dict[str, str]:
                         f"{s['NAME']}",
         "STEWARD_MASTER_KEY": base64.b64encode(master_key()).decode(),
         "PYTHONUNBUFFERED": "1",
-        "CELERY_BROKER_URL": REDIS_URL,
+        "CELERY_BROKER_URL": REDIS_URL or settings.CELERY_BROKER_URL,
     })
     env.update(extra)
     return env
@@ -341,6 +344,8 @@ def test_database_outage_loses_and_duplicates_nothing(transactional_db, tenant, 
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.skipif(not REDIS_URL, reason="STEWARD_TEST_REDIS_URL is not set (no Redis to test "
+                    "the Redis broker on; .ci/run sets it)")
 def test_celery_worker_builds_steps_from_shipped_interactions(transactional_db, tenant, agent,
                                                               tmp_path):
     import redis

@@ -173,6 +173,15 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
         assert key.startswith("stw_") and token.startswith("stwt_")
         assert console == f"http://127.0.0.1:{web_port}/"
         assert "demo-admin / " in up.output
+        # Issue 13.3: "up" only once the workers can build steps (the capture worker loaded
+        # the sanitizer before its first heartbeat; the gpu worker runs training jobs).
+        banner_at = next(i for i, line in enumerate(up.lines) if "Steward is up" in line)
+        loaded_at = next((i for i, line in enumerate(up.lines)
+                          if line.startswith("worker ") and "ready." in line), None)
+        assert loaded_at is not None and loaded_at < banner_at, up.output[-4000:]
+        assert "Steward is up.\n" in up.output + "\n" and "warming up" not in up.output
+        assert any(line.startswith("gpu-worker") and "ready." in line
+                   for line in up.lines[:banner_at]), up.output[-4000:]
 
         # Secrets were generated under var/ and are private.
         for name in ("secret.key", "master.key", "demo-credentials.json"):
@@ -208,6 +217,13 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
             assert seen is not None, (
                 f"trajectory {trajectory} not listed within 20 s; last answer "
                 f"{r.status_code} {r.text[:500]}\n{up.output[-4000:]}")
+            # Its step is built within seconds too: the worker was warm before the banner.
+            while time.monotonic() < deadline:
+                doc = http.get(f"api/v1/trajectories/{trajectory}/").json()
+                if doc["status"] == "complete":
+                    break
+                time.sleep(0.5)
+            assert doc["status"] == "complete" and len(doc["steps"]) == 1, doc
             assert http.get("api/v1/trajectories/",
                             headers={"Authorization": "Bearer stwt_nope"}).status_code == 401
             login = httpx.get(f"{console}login/", timeout=10)
@@ -215,7 +231,7 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
 
         run_info = json.loads((var / "run" / "up.json").read_text())
         names = {c["name"] for c in run_info["children"]}
-        assert names == {"upstream", "web", "proxy", "shipper", "worker", "beat"}
+        assert names == {"upstream", "web", "proxy", "shipper", "worker", "gpu-worker", "beat"}
 
         code = up.stop()
         assert code == 0, up.output[-4000:]
@@ -243,32 +259,194 @@ def test_up_embedded_postgresql(tmp_path):
     run_appliance(tmp_path, None)
 
 
-def test_up_child_death_stops_everything(tmp_path, throwaway_database):
-    """A child that dies on its own is named with its last lines; the rest is stopped and the
-    exit code is non-zero. (Here with an external upstream: no demo server is started.)"""
+class AgentLoad:
+    """Agent calls through the proxy on a thread, one after the other, until stopped."""
+
+    def __init__(self, base_url: str, key: str) -> None:
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._client = OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._client.chat.completions.create(
+                    model="demo-model", messages=[{"role": "user", "content": "what is 2+3?"}])
+                self.ok += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is the test's finding
+                self.failures.append(repr(exc))
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=40)
+        self._client.close()
+
+
+def _child_entry(var: Path, name: str) -> dict:
+    run_info = json.loads((var / "run" / "up.json").read_text())
+    return next(c for c in run_info["children"] if c["name"] == name)
+
+
+def _wait_restarted(up: Up, var: Path, name: str, old_pid: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = _child_entry(var, name)
+        if entry["pid"] != old_pid and _alive(entry):
+            return entry
+        time.sleep(0.2)
+    pytest.fail(f"{name} not restarted within {timeout}s:\n{up.output[-4000:]}")
+
+
+@pytest.mark.timeout(420)
+def test_up_restarts_a_dead_service_while_the_proxy_keeps_serving(tmp_path, throwaway_database):
+    """Issue 12.12: SIGKILL the shipper, then the Celery worker, under agent load. Every agent
+    call keeps succeeding, the supervisor says who died and restarts each one with backoff,
+    and the restarted pair ships and builds a new call's trajectory."""
     var = tmp_path / "var"
-    web_port, proxy_port, dead_port = free_port(), free_port(), free_port()
+    web_port, proxy_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items()
-           if k not in {"STEWARD_MASTER_KEY", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"}}
+           if k not in {"STEWARD_MASTER_KEY", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE",
+                        "STEWARD_UPSTREAM_URL", "STEWARD_SPOOL_DIR", "STEWARD_CELERY_EAGER"}}
     env.update(STEWARD_VAR_DIR=str(var), STEWARD_WEB_PORT=str(web_port),
                STEWARD_PROXY_PORT=str(proxy_port), NO_COLOR="1",
-               DATABASE_URL=throwaway_database,
-               STEWARD_UPSTREAM_URL=f"http://127.0.0.1:{dead_port}/v1")
+               DATABASE_URL=throwaway_database)
+    up = Up(env)
+    load = None
+    try:
+        up.wait_ready(timeout=200)
+        base_url, key, token = up.value("base_url"), up.value("proxy key"), up.value("api token")
+        load = AgentLoad(base_url, key)
+        for name in ("shipper", "worker"):
+            before = load.ok
+            old = _child_entry(var, name)
+            os.killpg(old["pid"], signal.SIGKILL)  # the worker's pool processes too
+            _wait_restarted(up, var, name, old["pid"])
+            assert re.search(rf"{name} exited unexpectedly \(killed by SIGKILL\)", up.output)
+            assert re.search(rf"restarting {name} in 1s", up.output), up.output[-3000:]
+            assert re.search(rf"{name} restarted \(pid \d+\)", up.output)
+            deadline = time.monotonic() + 20
+            while load.ok < before + 5 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert load.ok >= before + 5, f"the proxy stopped answering:\n{up.output[-3000:]}"
+        load.stop()
+        assert load.failures == [], load.failures[:5]
+        assert load.ok > 10
+
+        # The restarted shipper and worker still do their jobs: a new call gets its step.
+        with OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="demo-model", messages=[{"role": "user", "content": "what is 6*7?"}],
+                extra_headers={"X-Steward-Session": f"after-restart-{uuid.uuid4()}"})
+            trajectory = raw.headers["x-steward-trajectory"]
+        console = up.value("console")
+        doc = None
+        deadline = time.monotonic() + 90
+        with httpx.Client(base_url=console, timeout=10,
+                          headers={"Authorization": f"Bearer {token}"}) as http:
+            while time.monotonic() < deadline:
+                r = http.get(f"api/v1/trajectories/{trajectory}/")
+                if r.status_code == 200 and r.json()["steps"]:
+                    doc = r.json()
+                    break
+                time.sleep(0.5)
+        assert doc is not None, up.output[-4000:]
+        assert up.proc.poll() is None  # the supervisor is still up
+        assert up.stop() == 0, up.output[-4000:]
+        run_left = [c for c in json.loads((var / "run" / "up.json").read_text())["children"]
+                    if _alive(c)] if (var / "run" / "up.json").exists() else []
+        assert not run_left
+    finally:
+        if load is not None:
+            load.stop()
+        up.force_cleanup()
+
+
+def test_restart_backoff_doubles_up_to_a_bound_and_resets_after_a_stable_run(tmp_path):
+    from config.cli import RESTART_MAX_SECONDS, RESTART_STABLE_SECONDS, Child
+
+    child = Child("shipper", ["true"], {}, tmp_path, "36")
+    delays = []
+    for _ in range(8):
+        child.started_at = 1000.0  # died at once, every time
+        delays.append(child.schedule_restart(1001.0))
+    assert delays == [1, 2, 4, 8, 16, 30, 30, 30] and RESTART_MAX_SECONDS == 30
+    child.started_at = 2000.0
+    assert child.schedule_restart(2000.0 + RESTART_STABLE_SECONDS) == 1  # healthy again
+    assert child.restart_at == 2000.0 + RESTART_STABLE_SECONDS + 1
+
+
+@pytest.mark.timeout(900)
+def test_up_runs_a_training_job_launched_over_rest(tmp_path, throwaway_database):
+    """Issue 13.2: under `steward up` a GRPO job launched over REST on an approved version is
+    taken by the gpu-queue worker `make up` starts, and completes (it stayed "queued" forever
+    when no worker listened on that queue)."""
+    var = tmp_path / "var"
+    web_port, proxy_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"STEWARD_MASTER_KEY", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE",
+                        "STEWARD_UPSTREAM_URL", "STEWARD_SPOOL_DIR", "STEWARD_CELERY_EAGER"}}
+    env.update(STEWARD_VAR_DIR=str(var), STEWARD_WEB_PORT=str(web_port),
+               STEWARD_PROXY_PORT=str(proxy_port), NO_COLOR="1",
+               DATABASE_URL=throwaway_database)
     up = Up(env)
     try:
-        up.wait_ready(timeout=150)
-        assert up.value("upstream") == f"http://127.0.0.1:{dead_port}"  # /v1 stripped
-        run_info = json.loads((var / "run" / "up.json").read_text())
-        assert "upstream" not in {c["name"] for c in run_info["children"]}
-        shipper = next(c for c in run_info["children"] if c["name"] == "shipper")
-        os.kill(shipper["pid"], signal.SIGKILL)
-        code = up.proc.wait(timeout=90)
-        up._reader.join(timeout=5)
-        assert code != 0
-        assert re.search(r"shipper exited unexpectedly \(killed by SIGKILL\)", up.output), up.output
-        assert "all processes stopped" in up.output
-        time.sleep(0.5)
-        left = [c for c in run_info["children"] if _alive(c) or _group_alive(c["pid"])]
-        assert not left, f"left running: {left}"
+        up.wait_ready(timeout=200)
+        base_url, key, token = up.value("base_url"), up.value("proxy key"), up.value("api token")
+        console = up.value("console")
+        tenant = re.search(r"\(tenant (\S+),", up.output).group(1)
+        trajectories = {}
+        with OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30) as client:
+            for a, b in ((3, 4), (5, 2)):
+                raw = client.chat.completions.with_raw_response.create(
+                    model="demo-model", messages=[{"role": "user", "content": f"{a}+{b}="}],
+                    extra_headers={"X-Steward-Session": f"sum-{a}-{b}-{uuid.uuid4()}"})
+                trajectories[raw.headers["x-steward-trajectory"]] = a + b
+        comp = subprocess.run(
+            [*steward_cmd(), "manage", "create_api_token", "--tenant", tenant, "--user", "comp",
+             "--role", "compliance"], cwd=REPO, capture_output=True, text=True, timeout=120,
+            env={**env, "STEWARD_MASTER_KEY_FILE": str(var / "master.key")})
+        assert comp.returncode == 0, comp.stderr[-2000:]
+        comp_token = comp.stdout.strip().splitlines()[-1]
+        admin = httpx.Client(base_url=console + "api/v1/", timeout=30,
+                             headers={"Authorization": f"Bearer {token}"})
+        officer = httpx.Client(base_url=console + "api/v1/", timeout=30,
+                               headers={"Authorization": f"Bearer {comp_token}"})
+        with admin, officer:
+            deadline = time.monotonic() + 90
+            for tid in trajectories:
+                while admin.get(f"trajectories/{tid}/").json().get("status") != "complete":
+                    assert time.monotonic() < deadline, up.output[-3000:]
+                    time.sleep(0.5)
+            for tid, answer in trajectories.items():
+                r = admin.post("rewards/", json={"trajectory_id": tid, "name": "reference",
+                                                 "value": float(answer)})
+                assert r.status_code in (200, 201), r.text
+            r = admin.post("datasets/", json={"name": "sums"})
+            assert r.status_code == 201, r.text
+            r = admin.post(f"datasets/{r.json()['id']}/freeze/")
+            assert r.status_code == 201 and r.json()["size"] == 2, r.text
+            vid = r.json()["id"]
+            assert admin.post(f"dataset-versions/{vid}/request-approval/").status_code == 200
+            r = officer.post(f"dataset-versions/{vid}/approve/", json={"reason": "read it"})
+            assert r.status_code == 200, r.text
+            r = admin.post("training-jobs/", json={
+                "dataset_version": vid, "reward_fn": "reference_answer",
+                "config": {"total_steps": 2, "save_every": 2, "train_batch_size": 2,
+                           "group_size": 2, "max_response_length": 4, "seed": 1,
+                           "device": "cpu"}})
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            deadline = time.monotonic() + 600
+            job = r.json()
+            while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+                time.sleep(2)
+                job = admin.get(f"training-jobs/{job_id}/").json()
+            assert job["status"] == "completed", (job, up.output[-4000:])
+        assert "gpu-worker" in up.output and "run_training_job" in up.output
+        assert up.stop() == 0, up.output[-4000:]
     finally:
         up.force_cleanup()

@@ -29,6 +29,7 @@ from governance.models import DatasetVersion, Role, Tenant
 from governance.permissions import ROLE_PERMISSIONS
 from governance.services import ServiceError
 from governance.views.common import can, console_view
+from governance.workers import STALE_AFTER_SECONDS, workers_listening
 from trainer import rewards
 from trainer.models import Checkpoint, TrainingJob, TrainingMetric
 from trainer.services import (
@@ -204,6 +205,8 @@ def training(request: HttpRequest) -> HttpResponse:
     versions = approved_versions(request.tenant)
     selected = str(form["dataset_version"].value() or "")
     context.update({
+        # One primary-key-table query (governance/workers.py); no broker round trip.
+        "gpu_workers": workers_listening("gpu"), "gpu_stale_seconds": int(STALE_AFTER_SECONDS),
         "form": form, "can_launch": can_launch, "versions": versions, "selected": selected,
         "launchers": roles_with("launch_training"), "approvers": roles_with("approve"),
         "datasets_href": href("datasets", fallback="/datasets/"),
@@ -282,6 +285,10 @@ def training_job(request: HttpRequest, job_id: int) -> HttpResponse:
     }
     if request.htmx:
         return render(request, "console/training_job.html#live", context)
+    # A queued job with nothing to take it: say so (one query, only then).
+    context["no_gpu_worker"] = (job.status == TrainingJob.Status.QUEUED
+                                and not workers_listening("gpu"))
+    context["gpu_stale_seconds"] = int(STALE_AFTER_SECONDS)
     return render(request, "console/training_job.html", context)
 
 

@@ -623,6 +623,7 @@ def detail_context(request: HttpRequest, trajectory: Trajectory) -> dict[str, An
         "findings_total": sorted(doc["governance"]["findings"].items()),
         "unbuilt": doc["governance"]["quarantined"],
         "pending": pending,
+        "status": doc["status"],
         "approvals": _dataset_approvals(trajectory),
         "can_read_raw": can(request, "read_raw_payloads"),
         "raw": None,
