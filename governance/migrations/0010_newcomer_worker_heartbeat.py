@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('governance', '0008_console_indexes'),
+        ('governance', '0009_pipeline_dead_letters_spools'),
     ]
 
     operations = [
