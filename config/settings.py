@@ -50,6 +50,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "governance.input_checks.QueryStringCheckMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -130,6 +131,11 @@ WHITENOISE_USE_FINDERS = True
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["governance.auth.ApiTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # JSON with DRF's own parser plus refusals of hostile strings and nesting
+    # (governance/input_checks.py); forms as DRF's defaults.
+    "DEFAULT_PARSER_CLASSES": ["governance.input_checks.StrictJSONParser",
+                               "rest_framework.parsers.FormParser",
+                               "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -141,6 +147,9 @@ SPECTACULAR_SETTINGS = {
     "erasure, datasets, approvals and training.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The OpenAPI document maps every operation and field: served to an API token only (the
+    # REST authentication above), like the API it describes.
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
     # Several models have a `status`: name each choice set after its model, not a hash.
     "ENUM_NAME_OVERRIDES": {
         "DatasetVersionStatusEnum": "governance.models.DatasetVersion.Status",
