@@ -381,6 +381,22 @@ class AuditEvent(models.Model):
         ordering = ["seq"]
 
 
+class AuditCheckpoint(models.Model):
+    """The outcome of one verification of the audit chain: how far it found the chain intact
+    (`seq`, `hash` of that event), or where it found it broken. A console or REST click walks
+    only the events after the latest intact checkpoint (governance.audit.verify_new_events);
+    `manage.py verify_audit` walks the whole chain. No tenant: the chain is one over every
+    tenant, and a checkpoint holds sequence numbers and hashes only."""
+
+    seq = models.BigIntegerField()  # last event found intact (0: none yet)
+    hash = models.CharField(max_length=64)
+    ok = models.BooleanField()
+    first_bad_seq = models.BigIntegerField(null=True, blank=True)
+    reason = models.CharField(max_length=200, blank=True, default="")
+    full = models.BooleanField(default=False)  # walked from the first event
+    created_at = models.DateTimeField(auto_now_add=True)
+
+
 # Data classifications from least to most restrictive (a step's `classification`); an unknown
 # label counts as the most restrictive (governance/atdp.py ranks them the same way).
 class Classification(models.TextChoices):
