@@ -161,21 +161,44 @@ def revoke_api_token(actor: Any, token: ApiToken) -> ApiToken:
     return token
 
 
-@tenant_atomic("tenant")
+def sanitize_reward_comment(tenant: Tenant, comment: str) -> str:
+    """A reward's comment as it may be stored: sanitized with the tenant's policy, like captured
+    text (it is free text a person or a judge wrote — and a reference answer, which reaches
+    training). A comment that was a JSON document stays one (placeholders hold no quotes)."""
+    if not comment or not comment.strip():
+        return comment
+    from governance.sanitizer import get_sanitizer, policy_for_tenant
+
+    return get_sanitizer().with_policy(policy_for_tenant(tenant)).sanitize_text(
+        comment, path="$.comment").text
+
+
 def record_reward(actor: Any, tenant: Tenant, *, value: float, response_id: str = "",
                   trajectory_id: Any = None, name: str = "reward", final: bool = True,
                   comment: str = "", source: str = "api") -> Any:
     """Append a late-bound reward naming a trajectory or an upstream response id (exactly one).
     The capture it names may not exist yet: rewards are joined when a trajectory is served,
-    never copied, so nothing is checked against the steps here."""
-    import math
+    never copied, so nothing is checked against the steps here.
 
-    from governance.models import Reward
-
+    The comment is sanitized first, outside the service's transaction: rewards are append-only,
+    so it could not be rewritten later, and the raw text is never stored. (In a web request
+    the request's own transaction is open, holding no lock yet; a comment has at most 10,000
+    characters and most rewards have none, which skips NER altogether.)"""
     if bool(response_id) == (trajectory_id is not None):
         raise ServiceError("give exactly one of response_id or trajectory_id")
     if not math.isfinite(value):
         raise ServiceError("value must be a finite number")
+    return _insert_reward(actor, tenant, value=value, response_id=response_id,
+                          trajectory_id=trajectory_id, name=name, final=final,
+                          comment=sanitize_reward_comment(tenant, comment), source=source)
+
+
+@tenant_atomic("tenant")
+def _insert_reward(actor: Any, tenant: Tenant, *, value: float, response_id: str,
+                   trajectory_id: Any, name: str, final: bool, comment: str,
+                   source: str) -> Any:
+    from governance.models import Reward
+
     reward = Reward.objects.create(
         tenant=tenant, trajectory_id=trajectory_id, response_id=response_id or "", name=name,
         value=value, final=final, source=source, comment=comment,
