@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -44,6 +45,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "django_htmx",
+    "axes",
     "governance",
     "trainer",
 ]
@@ -61,6 +63,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "governance.middleware.TenantMiddleware",
+    # Last, as django-axes asks: answers a locked-out login with its page (429).
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -115,6 +119,26 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Console login throttling (django-axes; governance/login_throttle.py audits the lockouts):
+# STEWARD_LOGIN_FAILURE_LIMIT wrong passwords for one username from one client address lock
+# that pair for STEWARD_LOGIN_LOCKOUT_MINUTES; a successful login resets the count.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("STEWARD_LOGIN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("STEWARD_LOGIN_LOCKOUT_MINUTES", 15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "console/login_locked.html"
+AXES_CLIENT_IP_CALLABLE = "governance.login_throttle.client_ip"
+# Behind deploy/nginx.conf set to 1: the client address is the last X-Forwarded-For entry.
+STEWARD_TRUSTED_PROXY_HOPS = env_int("STEWARD_TRUSTED_PROXY_HOPS", 0)
+# axes keeps failed attempts (to count them) but no log of every login: the audit log and the
+# session are the record, and a per-login log of addresses and user agents is not needed.
+AXES_DISABLE_ACCESS_LOG = True
+AXES_ENABLE_ACCESS_FAILURE_LOG = False
+AXES_VERBOSE = False
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
 
