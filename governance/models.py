@@ -381,6 +381,34 @@ class AuditEvent(models.Model):
         ordering = ["seq"]
 
 
+class SanitizerPolicyChange(models.Model):
+    """A requested change of a tenant's sanitizer policy that lets more identifying data through
+    (governance.sanitizer.policy.weakenings): it takes effect only when a second person
+    approves it (four eyes, governance/services.py). `base` is the policy it was requested
+    against: approving it after the policy changed otherwise is refused."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending approval"
+        APPROVED = "approved", "Approved"
+        REJECTED = "rejected", "Rejected"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
+                               related_name="sanitizer_policy_changes")
+    policy = models.JSONField()
+    base = models.JSONField(default=dict)
+    weakenings = models.JSONField(default=list)  # what it lets through, in words
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING,
+                              db_index=True)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True,
+                                     on_delete=models.SET_NULL, related_name="+")
+    requested_at = models.DateTimeField(auto_now_add=True)
+    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantManager()
+
+
 class AuditCheckpoint(models.Model):
     """The outcome of one verification of the audit chain: how far it found the chain intact
     (`seq`, `hash` of that event), or where it found it broken. A console or REST click walks

@@ -53,4 +53,6 @@ urlpatterns = [
     path("settings/retention/<int:policy_id>/delete/", tenant_settings.retention_delete,
          name="settings-retention-delete"),
     path("settings/sanitizer/", tenant_settings.sanitizer_set, name="settings-sanitizer"),
+    path("settings/sanitizer/changes/<int:change_id>/decide/",
+         tenant_settings.sanitizer_change_decide, name="settings-sanitizer-change-decide"),
 ]

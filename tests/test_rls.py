@@ -199,6 +199,10 @@ def world(tenant, other_tenant, make_member):
                                               content={"snippet": "x"}, version=1,
                                               content_hash="0" * 64)
         PolicyRoute.objects.create(tenant=t, agent=key.agent, share=0.1, context_update=update)
+        from governance.models import SanitizerPolicyChange
+
+        SanitizerPolicyChange.objects.create(tenant=t, policy={"operators": {}},
+                                             requested_by=admin)
         from trainer.models import (
             Candidate,
             EvolutionPolicy,
