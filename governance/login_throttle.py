@@ -26,6 +26,8 @@ from typing import Any
 from axes.signals import user_locked_out
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.forms import AuthenticationForm
+from django.core.validators import MaxLengthValidator
 from django.dispatch import receiver
 from django.utils import timezone
 
@@ -36,6 +38,17 @@ from governance.tenancy import system_context, tenant_context, user_memberships
 ACTION = "login.locked_out"
 ACTOR = "system:login"
 SYSTEM_REASON = "login lockout of a username that is no account: a tenant-less audit event"
+
+
+class LoginForm(AuthenticationForm):
+    """Django's login form, with the username's length enforced before authentication: the
+    stock form only sets it as a widget attribute, so a 10,000-character username reached the
+    backends — and django-axes' attempt table (255 characters), a 500."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        field = self.fields["username"]
+        field.validators.append(MaxLengthValidator(field.max_length or 150))
 
 
 def client_ip(request: Any) -> str | None:
