@@ -218,6 +218,38 @@ def test_hostile_dataset_definition_is_400(steward, raw):
     assert_refused(steward, "/api/v1/datasets/", raw, Dataset)
 
 
+@pytest.mark.parametrize("raw", [
+    pytest.param('{"dataset_version": 1, "config": {"seed": "\\u0000"}}', id="nul-in-config"),
+    pytest.param('{"dataset_version": 1, "config": {"\\ud800": 1}}', id="surrogate-config-key"),
+    pytest.param('{"dataset_version": 1, "config": ' + '{"a": ' * 5000 + "1" + "}" * 5001,
+                 id="deep-config"),
+    pytest.param('{"dataset_version": 99999999999999999999, "config": {}}', id="huge-version"),
+    pytest.param('{"dataset_version": "\\u0000"}', id="nul-version"),
+    pytest.param('{"dataset_version": 1, "reward_params": {"k": "\\u001b[31m"}}',
+                 id="escape-in-reward-params"),
+    pytest.param('{"dataset_version": 1, "base_model": "\\u0000"}', id="nul-base-model"),
+])
+def test_hostile_training_job_launch_is_400(steward, raw):
+    from trainer.models import TrainingJob
+
+    assert_refused(steward, "/api/v1/training-jobs/", raw, TrainingJob)
+
+
+@pytest.mark.parametrize("raw", [
+    pytest.param('{"classification": "\\u0000", "steps_days": 1, "raw_days": 1, '
+                 '"findings_days": 1, "audit_days": 1}', id="nul-classification"),
+    pytest.param('{"classification": "*", "steps_days": 1' + "0" * 30 + ', "raw_days": 1, '
+                 '"findings_days": 1, "audit_days": 1}', id="days-overflow"),
+    pytest.param('{"classification": "*", "steps_days": -1, "raw_days": 1, '
+                 '"findings_days": 1, "audit_days": 1}', id="negative-days"),
+])
+def test_hostile_retention_policy_is_400(make_member, tenant, api_client_for, raw):
+    from governance.models import RetentionPolicy
+
+    assert_refused(api_client_for(make_member("compliance", "comp"), tenant),
+                   "/api/v1/retention-policies/", raw, RetentionPolicy)
+
+
 @pytest.mark.parametrize("path", [
     "/api/v1/trajectories/%00/", "/api/v1/trajectories/%ff/",
     "/api/v1/dataset-versions/99999999999999999999999/",
