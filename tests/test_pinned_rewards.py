@@ -113,3 +113,15 @@ def test_reward_comments_are_sanitized_before_they_are_stored(tenant, people):
     # Nothing to sanitize: stored as given (no NER run for an empty comment).
     plain = gov.record_reward(users["steward"], tenant, value=0.0, response_id="chatcmpl-3")
     assert Reward.objects.get(pk=plain.pk).comment == ""
+
+
+def test_the_review_page_shows_how_many_labels_are_pinned(client, tenant, people, var_dir):  # noqa: F811
+    users, _ = people
+    version, trajs = make_version(tenant, people, decide="pending")
+    gov.record_reward(users["steward"], tenant, value=1.0, trajectory_id=trajs[0].pk,
+                      name="reference", comment="after the freeze")
+    client.force_login(users["compliance2"])
+    body = client.get(f"/approvals/{version.pk}/").content.decode()
+    # make_version records a reference and a provisional row per trajectory (one has none).
+    assert f"<dt>Rewards</dt><dd>{2 * len(trajs) - 1} " in body
+
