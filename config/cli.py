@@ -350,6 +350,9 @@ def service_argv(name: str, cfg: ServiceConfig, single_host: bool = False) -> li
             *_tool("gunicorn"), "config.wsgi", "--bind", f"{cfg.host}:{cfg.web_port}",
             "--worker-class", "gthread", *workers, "--graceful-timeout", "10",
             "--timeout", "120", "--access-logfile", cfg.access_log, "--error-logfile", "-",
+            # Paths only in the access log: a query string may carry a data subject or a
+            # raw-read reason (config/gunicorn_logging.py).
+            "--logger-class", "config.gunicorn_logging.QuerylessAccessLogger",
             *_gunicorn_control_args(run_dir),
         ]
     if name == "proxy":

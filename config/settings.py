@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -44,12 +45,14 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "django_htmx",
+    "axes",
     "governance",
     "trainer",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "governance.input_checks.QueryStringCheckMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -60,6 +63,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "governance.middleware.TenantMiddleware",
+    # Last, as django-axes asks: answers a locked-out login with its page (429).
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -114,6 +119,26 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Console login throttling (django-axes; governance/login_throttle.py audits the lockouts):
+# STEWARD_LOGIN_FAILURE_LIMIT wrong passwords for one username from one client address lock
+# that pair for STEWARD_LOGIN_LOCKOUT_MINUTES; a successful login resets the count.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("STEWARD_LOGIN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("STEWARD_LOGIN_LOCKOUT_MINUTES", 15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "console/login_locked.html"
+AXES_CLIENT_IP_CALLABLE = "governance.login_throttle.client_ip"
+# Behind deploy/nginx.conf set to 1: the client address is the last X-Forwarded-For entry.
+STEWARD_TRUSTED_PROXY_HOPS = env_int("STEWARD_TRUSTED_PROXY_HOPS", 0)
+# axes keeps failed attempts (to count them) but no log of every login: the audit log and the
+# session are the record, and a per-login log of addresses and user agents is not needed.
+AXES_DISABLE_ACCESS_LOG = True
+AXES_ENABLE_ACCESS_FAILURE_LOG = False
+AXES_VERBOSE = False
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
 
@@ -130,6 +155,11 @@ WHITENOISE_USE_FINDERS = True
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["governance.auth.ApiTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # JSON with DRF's own parser plus refusals of hostile strings and nesting
+    # (governance/input_checks.py); forms as DRF's defaults.
+    "DEFAULT_PARSER_CLASSES": ["governance.input_checks.StrictJSONParser",
+                               "rest_framework.parsers.FormParser",
+                               "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -141,6 +171,9 @@ SPECTACULAR_SETTINGS = {
     "erasure, datasets, approvals and training.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The OpenAPI document maps every operation and field: served to an API token only (the
+    # REST authentication above), like the API it describes.
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
     # Several models have a `status`: name each choice set after its model, not a hash.
     "ENUM_NAME_OVERRIDES": {
         "DatasetVersionStatusEnum": "governance.models.DatasetVersion.Status",

@@ -7,6 +7,7 @@ class GovernanceConfig(AppConfig):
     verbose_name = "Steward governance"
 
     def ready(self) -> None:
-        # Celery's autodiscovery imports only `tasks` modules: register the erasure tasks.
-        from governance import erasure  # noqa: F401
+        # Celery's autodiscovery imports only `tasks` modules: register the erasure tasks;
+        # login_throttle connects the audit of console login lockouts (django-axes' signal).
+        from governance import erasure, login_throttle  # noqa: F401
 

@@ -20,15 +20,22 @@ from governance.tenancy import (
 
 
 class ApiTokenAuthentication(authentication.BaseAuthentication):
-    keywords = ("bearer", "token")
+    keywords = (b"bearer", b"token")
 
     def authenticate(self, request):
+        # Bytes throughout: a header value is whatever the client sent (WSGI hands it over as
+        # latin-1), so nothing here may assume UTF-8 — a bad byte is a 401, never a 500.
         header = authentication.get_authorization_header(request).split()
-        if not header or header[0].decode().lower() not in self.keywords:
+        if not header or header[0].lower() not in self.keywords:
             return None
         if len(header) != 2:
             raise exceptions.AuthenticationFailed("Invalid Authorization header.")
-        secret = header[1].decode(errors="replace")
+        try:
+            secret = header[1].decode("ascii")  # issued tokens are ASCII (stwt_ + urlsafe)
+        except UnicodeDecodeError:
+            raise exceptions.AuthenticationFailed("Invalid or revoked token.") from None
+        if not secret.isprintable():  # NUL and other control characters: never a token
+            raise exceptions.AuthenticationFailed("Invalid or revoked token.")
         found = api_token_lookup(token_hash(secret))
         if found is None or found[3]:  # unknown or revoked
             raise exceptions.AuthenticationFailed("Invalid or revoked token.")

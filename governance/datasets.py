@@ -18,6 +18,7 @@ services open it: governance.tenancy.tenant_atomic); what is consumed here opens
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -145,22 +146,44 @@ def eligible_trajectories(dataset: Dataset) -> QuerySet:
     return qs
 
 
-def _ordered_hash(trajectory_ids: Iterable[str],
-                  steps: Iterable[tuple[str, str, str]]) -> str:
+# A pinned reward as hashed: (id, trajectory id or "", response id, name, value, final,
+# SHA-256 of its comment). The comment is the reference answer of a "reference" reward.
+RewardRow = tuple[int, str, str, str, float, bool, str]
+
+
+def _reward_line(row: RewardRow) -> bytes:
+    # JSON: names and response ids are free text and may hold the separator of the other lines.
+    return b"r:" + json.dumps(list(row), separators=(",", ":")).encode() + b"\n"
+
+
+def _ordered_hash(trajectory_ids: Iterable[str], steps: Iterable[tuple[str, str, str]],
+                  rewards: Iterable[RewardRow] = ()) -> str:
     h = hashlib.sha256(b"steward-dataset-v1\n")
     for tid in trajectory_ids:
         h.update(f"t:{tid}\n".encode())
     for tid, sid, sanitizer in steps:
         h.update(f"s:{tid}:{sid}:{sanitizer}\n".encode())
+    for row in rewards:
+        h.update(_reward_line(row))
     return h.hexdigest()
 
 
-def content_hash(trajectory_ids: Iterable[Any], steps: Iterable[tuple[Any, Any, str]]) -> str:
+def reward_row(reward_id: int, trajectory_id: Any, response_id: str, name: str, value: float,
+               final: bool, comment: str) -> RewardRow:
+    return (int(reward_id), str(trajectory_id) if trajectory_id else "", response_id or "",
+            name, float(value), bool(final), hashlib.sha256((comment or "").encode()).hexdigest())
+
+
+def content_hash(trajectory_ids: Iterable[Any], steps: Iterable[tuple[Any, Any, str]],
+                 rewards: Iterable[RewardRow] = ()) -> str:
     """SHA-256 over the sorted trajectory ids, then every (trajectory id, step id, sanitizer
-    version) sorted by trajectory id and step id (ids as canonical lowercase strings). Anyone
-    holding the member list and the steps recomputes it (the trainer does, before it trains)."""
+    version) sorted by trajectory id and step id (ids as canonical lowercase strings), then
+    every pinned reward (reward_row, sorted by reward id, one JSON line each). Anyone holding
+    the member list, the steps and the rewards recomputes it (the trainer does, before it
+    trains). A version without rewards hashes as it did before rewards were pinned."""
     return _ordered_hash(sorted(str(t) for t in trajectory_ids),
-                         sorted((str(t), str(s), v) for t, s, v in steps))
+                         sorted((str(t), str(s), v) for t, s, v in steps),
+                         sorted(rewards))
 
 
 def member_steps(version: DatasetVersion) -> Iterable[tuple[str, str, str]]:
@@ -178,6 +201,34 @@ def member_steps(version: DatasetVersion) -> Iterable[tuple[str, str, str]]:
             .values_list("trajectory_id", "id", "sanitizer_version")
             .iterator(chunk_size=HASH_CHUNK))
     return ((str(t), str(s), v) for t, s, v in rows)
+
+
+def pinned_rewards(version: DatasetVersion) -> QuerySet:
+    """The rewards a version pins (unordered): every reward row naming a member — by trajectory
+    id, or by the response id of one of its pinned steps — recorded by the version's creation.
+
+    Labels are part of what is approved: a reference answer or a judge's score posted after the
+    freeze is not in the version (its hash covers these rows, ids and values), training reads
+    only these (trainer.taskdata.iter_examples), and using a later one takes a new version and
+    a new approval. Rewards are append-only, so the pinned rows never change; a reward
+    committed in the instant of the freeze may show up in a later recomputation, and the
+    version is then refused (failing safe), as for steps (member_steps)."""
+    members = DatasetVersionMember.objects.filter(version=version).values("trajectory_id")
+    response_ids = (Step.objects.filter(trajectory_id__in=members,
+                                        created_at__lte=version.created_at, response_id__gt="")
+                    .values("response_id"))
+    return (Reward.objects.filter(tenant_id=version.tenant_id,
+                                  created_at__lte=version.created_at)
+            .filter(Q(trajectory_id__in=members) | Q(response_id__in=response_ids)))
+
+
+def member_rewards(version: DatasetVersion) -> Iterable[RewardRow]:
+    """The pinned rewards as hashed, in hash order (by id), streamed."""
+    rows = (pinned_rewards(version).order_by("id")
+            .values_list("id", "trajectory_id", "response_id", "name", "value", "final",
+                         "comment")
+            .iterator(chunk_size=HASH_CHUNK))
+    return (reward_row(*row) for row in rows)
 
 
 def member_ids(version: DatasetVersion) -> Iterable[str]:
@@ -201,7 +252,8 @@ def version_content_hash(version: DatasetVersion) -> tuple[str, int]:
 
     # The streams are consumed here, inside the version's tenant scope (row-level security).
     with tenant_context(version.tenant_id):
-        digest = _ordered_hash(member_ids(version), counted(member_steps(version)))
+        digest = _ordered_hash(member_ids(version), counted(member_steps(version)),
+                               member_rewards(version))
     return digest, count
 
 

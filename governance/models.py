@@ -381,6 +381,50 @@ class AuditEvent(models.Model):
         ordering = ["seq"]
 
 
+class SanitizerPolicyChange(models.Model):
+    """A requested change of a tenant's sanitizer policy that lets more identifying data through
+    (governance.sanitizer.policy.weakenings): it takes effect only when a second person
+    approves it (four eyes, governance/services.py). `base` is the policy it was requested
+    against: approving it after the policy changed otherwise is refused."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending approval"
+        APPROVED = "approved", "Approved"
+        REJECTED = "rejected", "Rejected"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
+                               related_name="sanitizer_policy_changes")
+    policy = models.JSONField()
+    base = models.JSONField(default=dict)
+    weakenings = models.JSONField(default=list)  # what it lets through, in words
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING,
+                              db_index=True)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True,
+                                     on_delete=models.SET_NULL, related_name="+")
+    requested_at = models.DateTimeField(auto_now_add=True)
+    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantManager()
+
+
+class AuditCheckpoint(models.Model):
+    """The outcome of one verification of the audit chain: how far it found the chain intact
+    (`seq`, `hash` of that event), or where it found it broken. A console or REST click walks
+    only the events after the latest intact checkpoint (governance.audit.verify_new_events);
+    `manage.py verify_audit` walks the whole chain. No tenant: the chain is one over every
+    tenant, and a checkpoint holds sequence numbers and hashes only."""
+
+    seq = models.BigIntegerField()  # last event found intact (0: none yet)
+    hash = models.CharField(max_length=64)
+    ok = models.BooleanField()
+    first_bad_seq = models.BigIntegerField(null=True, blank=True)
+    reason = models.CharField(max_length=200, blank=True, default="")
+    full = models.BooleanField(default=False)  # walked from the first event
+    created_at = models.DateTimeField(auto_now_add=True)
+
+
 # Data classifications from least to most restrictive (a step's `classification`); an unknown
 # label counts as the most restrictive (governance/atdp.py ranks them the same way).
 class Classification(models.TextChoices):

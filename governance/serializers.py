@@ -254,8 +254,17 @@ class AuditFilterSerializer(serializers.Serializer):
     until = serializers.DateTimeField(required=False)
 
 
+class AuditVerifyQuerySerializer(serializers.Serializer):
+    full = serializers.BooleanField(required=False, default=False)
+
+
 class AuditVerifySerializer(serializers.Serializer):
     ok = serializers.BooleanField()
-    events = serializers.IntegerField(help_text="events in the whole chain (all tenants)")
+    events = serializers.IntegerField(help_text="this tenant's events (the chain itself spans "
+                                      "every tenant)")
     first_bad_seq = serializers.IntegerField(allow_null=True)
     reason = serializers.CharField()
+    checked = serializers.IntegerField(help_text="events walked by this verification")
+    from_seq = serializers.IntegerField(help_text="the first sequence number walked")
+    full = serializers.BooleanField(help_text="walked from the first event (else from the "
+                                    "last verified checkpoint)")

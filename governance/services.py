@@ -170,21 +170,44 @@ def revoke_api_token(actor: Any, token: ApiToken) -> ApiToken:
     return token
 
 
-@tenant_atomic("tenant")
+def sanitize_reward_comment(tenant: Tenant, comment: str) -> str:
+    """A reward's comment as it may be stored: sanitized with the tenant's policy, like captured
+    text (it is free text a person or a judge wrote — and a reference answer, which reaches
+    training). A comment that was a JSON document stays one (placeholders hold no quotes)."""
+    if not comment or not comment.strip():
+        return comment
+    from governance.sanitizer import get_sanitizer, policy_for_tenant
+
+    return get_sanitizer().with_policy(policy_for_tenant(tenant)).sanitize_text(
+        comment, path="$.comment").text
+
+
 def record_reward(actor: Any, tenant: Tenant, *, value: float, response_id: str = "",
                   trajectory_id: Any = None, name: str = "reward", final: bool = True,
                   comment: str = "", source: str = "api") -> Any:
     """Append a late-bound reward naming a trajectory or an upstream response id (exactly one).
     The capture it names may not exist yet: rewards are joined when a trajectory is served,
-    never copied, so nothing is checked against the steps here."""
-    import math
+    never copied, so nothing is checked against the steps here.
 
-    from governance.models import Reward
-
+    The comment is sanitized first, outside the service's transaction: rewards are append-only,
+    so it could not be rewritten later, and the raw text is never stored. (In a web request
+    the request's own transaction is open, holding no lock yet; a comment has at most 10,000
+    characters and most rewards have none, which skips NER altogether.)"""
     if bool(response_id) == (trajectory_id is not None):
         raise ServiceError("give exactly one of response_id or trajectory_id")
     if not math.isfinite(value):
         raise ServiceError("value must be a finite number")
+    return _insert_reward(actor, tenant, value=value, response_id=response_id,
+                          trajectory_id=trajectory_id, name=name, final=final,
+                          comment=sanitize_reward_comment(tenant, comment), source=source)
+
+
+@tenant_atomic("tenant")
+def _insert_reward(actor: Any, tenant: Tenant, *, value: float, response_id: str,
+                   trajectory_id: Any, name: str, final: bool, comment: str,
+                   source: str) -> Any:
+    from governance.models import Reward
+
     reward = Reward.objects.create(
         tenant=tenant, trajectory_id=trajectory_id, response_id=response_id or "", name=name,
         value=value, final=final, source=source, comment=comment,
@@ -551,12 +574,8 @@ def read_raw_payload(actor: Any, step: Any, reason: str) -> RawPayload:
     return RawPayload(step, interaction, exchange)
 
 
-@tenant_atomic("tenant")
-def set_sanitizer_policy(actor: Any, tenant: Tenant, policy: dict[str, Any]) -> Tenant:
-    """Replace the tenant's sanitizer policy overrides (operators per entity type, allow and
-    deny lists, score threshold, detect_organizations). Validated by building the Policy; the
-    audit event carries the operators and the list sizes, not the lists (they may name
-    people)."""
+def _validated_policy(policy: Any) -> dict[str, Any]:
+    """The policy as stored (Policy.to_dict), or a ServiceError saying what is wrong."""
     from governance.sanitizer import Policy
 
     if not isinstance(policy, dict):
@@ -569,15 +588,111 @@ def set_sanitizer_policy(actor: Any, tenant: Tenant, policy: dict[str, Any]) -> 
         parsed = Policy.from_dict(policy, secret=b"validation-only")
     except (TypeError, ValueError) as exc:
         raise ServiceError(f"invalid sanitizer policy: {exc}") from exc
-    stored = parsed.to_dict()
-    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    return parsed.to_dict()
+
+
+def _policy_summary(stored: dict[str, Any]) -> dict[str, Any]:
+    """What the audit log says of a policy: operators and list sizes, never the lists (they
+    may name people)."""
+    return {"operators": stored["operators"], "allow_list": len(stored["allow_list"]),
+            "deny_list": len(stored["deny_list"]), "score_threshold": stored["score_threshold"],
+            "detect_organizations": stored["detect_organizations"]}
+
+
+def _apply_policy(actor: Any, tenant: Tenant, stored: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> Tenant:
     tenant.sanitizer_policy = stored
     tenant.save(update_fields=["sanitizer_policy"])
     record_event(actor, "sanitizer_policy.updated", tenant=tenant, object_type="tenant",
-                 object_id=tenant.pk,
-                 payload={"operators": stored["operators"],
-                          "allow_list": len(stored["allow_list"]),
-                          "deny_list": len(stored["deny_list"]),
-                          "score_threshold": stored["score_threshold"],
-                          "detect_organizations": stored["detect_organizations"]})
+                 object_id=tenant.pk, payload={**_policy_summary(stored), **(extra or {})})
     return tenant
+
+
+@tenant_atomic("tenant")
+def set_sanitizer_policy(actor: Any, tenant: Tenant, policy: dict[str, Any]) -> Tenant:
+    """Replace the tenant's sanitizer policy overrides (operators per entity type, allow and
+    deny lists, score threshold, detect_organizations). Validated by building the Policy; the
+    audit event carries the operators and the list sizes, not the lists (they may name
+    people).
+
+    Four eyes for weakening: a change by a person that lets more identifying data through
+    (governance.sanitizer.policy.weakenings: an operator towards `keep`, a higher score
+    threshold, a new allow-list entry, ...) is refused here — it is requested with
+    propose_sanitizer_policy and takes effect when another person approves it. System actors
+    (the operator's own commands and set-up) apply directly: whoever runs them holds the
+    database anyway."""
+    from governance.sanitizer.policy import weakenings
+
+    stored = _validated_policy(policy)
+    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    weaker = weakenings(tenant.sanitizer_policy, stored)
+    if weaker and _user(actor) is not None:
+        raise ServiceForbidden("four eyes: this change lets more identifying data through ("
+                               + "; ".join(weaker) + "), so another person must approve it")
+    return _apply_policy(actor, tenant, stored)
+
+
+@tenant_atomic("tenant")
+def propose_sanitizer_policy(actor: Any, tenant: Tenant, policy: dict[str, Any]) -> Any:
+    """A person's change of the sanitizer policy: applied at once when it weakens nothing
+    (returns None), else recorded as a pending SanitizerPolicyChange for a second person
+    (returned; audited `sanitizer_policy.change_requested`)."""
+    from governance.models import SanitizerPolicyChange
+    from governance.sanitizer.policy import weakenings
+
+    user = _user(actor)
+    if user is None:
+        raise ServiceForbidden("a sanitizer policy change is requested by a person")
+    stored = _validated_policy(policy)
+    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    weaker = weakenings(tenant.sanitizer_policy, stored)
+    if not weaker:
+        _apply_policy(actor, tenant, stored)
+        return None
+    change = SanitizerPolicyChange.objects.create(
+        tenant=tenant, policy=stored, base=tenant.sanitizer_policy or {}, weakenings=weaker,
+        requested_by=user)
+    record_event(actor, "sanitizer_policy.change_requested", tenant=tenant,
+                 object_type="sanitizer_policy_change", object_id=change.pk,
+                 payload={**_policy_summary(stored), "weakenings": weaker})
+    return change
+
+
+@tenant_atomic("change.tenant_id")
+def decide_sanitizer_policy_change(actor: Any, change: Any, *, approve: bool) -> Any:
+    """Approve (the policy takes effect) or reject a pending weakening of the sanitizer policy.
+    Four eyes: the decider is a person of the tenant allowed to manage the sanitizer, and not
+    the requester. Approving a change requested against a policy that has changed since is
+    refused (request it again, against what is in force now)."""
+    from governance.models import SanitizerPolicyChange
+
+    user = _user(actor)
+    if user is None:
+        raise ServiceForbidden("a sanitizer policy change is decided by a person")
+    change = SanitizerPolicyChange.objects.select_for_update().get(pk=change.pk)
+    membership = Membership.objects.filter(user=user, tenant_id=change.tenant_id).first()
+    if not member_can(membership, "manage_sanitizer"):
+        raise ServiceForbidden("only a member who may manage the sanitizer decides on its "
+                               "policy")
+    if user.pk == change.requested_by_id:
+        raise ServiceForbidden("four eyes: you requested this change, so another person must "
+                               "decide on it")
+    if change.status != SanitizerPolicyChange.Status.PENDING:
+        raise ServiceConflict(f"this change is {change.status} already")
+    tenant = Tenant.objects.select_for_update().get(pk=change.tenant_id)
+    if approve and (tenant.sanitizer_policy or {}) != (change.base or {}):
+        raise ServiceConflict("the sanitizer policy changed since this was requested; "
+                              "request the change again")
+    change.status = (SanitizerPolicyChange.Status.APPROVED if approve
+                     else SanitizerPolicyChange.Status.REJECTED)
+    change.decided_by = user
+    change.decided_at = timezone.now()
+    change.save(update_fields=["status", "decided_by", "decided_at"])
+    record_event(actor, f"sanitizer_policy.change_{change.status}", tenant=tenant,
+                 object_type="sanitizer_policy_change", object_id=change.pk,
+                 payload={"requested_by": change.requested_by_id,
+                          "weakenings": change.weakenings})
+    if approve:
+        _apply_policy(actor, tenant, change.policy,
+                      {"change": change.pk, "requested_by": change.requested_by_id})
+    return change

@@ -23,8 +23,10 @@ The ways in (each one opens, or joins, a transaction):
 - `request_scope(...)` + `set_request_tenant(...)`: one transaction per web request, opened by
   governance.middleware.TenantMiddleware with the console tenant, switched by
   governance.auth.ApiTokenAuthentication to the API token's tenant.
-- `system_context(reason)`: reads across tenants. Used only by the audit chain verifier (it
-  hashes the one chain of all tenants); see docs/decisions.md.
+- `system_context(reason)`: reads across tenants. Used by the audit chain verifier (it
+  hashes the one chain of all tenants, and records its checkpoint) and by the audit of a
+  console login lockout for a username that is no account (a tenant-less event,
+  governance/login_throttle.py); see docs/decisions.md.
 - SECURITY DEFINER functions (migration 0004) for the narrow cross-tenant lookups that happen
   before a tenant is known: the API token (`steward_api_token_lookup`), a user's memberships
   (`steward_user_memberships`), the audit chain head (`steward_audit_head`), the tenants of

@@ -4,6 +4,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
+from governance.login_throttle import LoginForm
 from governance.views import (
     approvals,
     audit,
@@ -18,6 +19,7 @@ from governance.views import (
 
 urlpatterns = [
     path("login/", auth_views.LoginView.as_view(template_name="console/login.html",
+                                               authentication_form=LoginForm,
                                                redirect_authenticated_user=True), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("tenant/switch/", overview.switch_tenant, name="switch-tenant"),
@@ -55,4 +57,6 @@ urlpatterns = [
     path("settings/retention/<int:policy_id>/delete/", tenant_settings.retention_delete,
          name="settings-retention-delete"),
     path("settings/sanitizer/", tenant_settings.sanitizer_set, name="settings-sanitizer"),
+    path("settings/sanitizer/changes/<int:change_id>/decide/",
+         tenant_settings.sanitizer_change_decide, name="settings-sanitizer-change-decide"),
 ]

@@ -217,6 +217,10 @@ def test_roles_and_authentication(world, auditor, make_member, tenant, api_clien
     bad.credentials(HTTP_AUTHORIZATION="Bearer stwt_not-a-real-token")
     assert bad.get("/api/v1/trajectories/").status_code == 401
     assert anon.get("/api/v1/atdp/schema/").status_code == 200  # public format description
+    # The OpenAPI document maps every operation: a token's, like the API.
+    schema = anon.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    assert schema.status_code == 401 and "detail" in schema.json()
+    assert bad.get("/api/schema/").status_code == 401
 
 
 def test_openapi_schema_lists_the_endpoints(owner):

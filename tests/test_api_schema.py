@@ -10,6 +10,7 @@ GETs, updates and actions also run on objects that exist (not only on 404s)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -73,8 +74,11 @@ def wsgi_app() -> Iterator[WSGIHandler]:
 
 
 @pytest.fixture
-def api_schema(wsgi_app, db):
-    return schemathesis.openapi.from_wsgi("/api/schema/?format=json", wsgi_app)
+def api_schema(wsgi_app, tenant, make_member):
+    """The served document, read with a token: /api/schema/ is not public."""
+    issued = services.create_api_token("system:test", tenant, make_member("auditor", "schema"))
+    return schemathesis.openapi.from_wsgi("/api/schema/?format=json", wsgi_app,
+                                          headers={"Authorization": f"Bearer {issued.secret}"})
 
 
 @pytest.fixture
@@ -268,6 +272,17 @@ def test_schemathesis_compliance_reaches_raw_and_approval(api_schema, world, ten
     assert seen.keys() == labels
 
 
+def _malformed(response: Any) -> bool:
+    """A query string with a control character or invalid UTF-8 (which schemathesis generates)
+    is refused whoever asks: 400 from governance.input_checks, before any view or
+    authentication — it holds no data either way."""
+    if response.status_code != 400:
+        return False
+    body = json.loads(response.text)
+    return isinstance(body, dict) and str(body.get("detail", "")).startswith(
+        "Malformed request:")
+
+
 def _refused_without_token(operation, real: dict[str, list[Any]]) -> None:
     strategy = operation.as_strategy(generation_mode=GenerationMode.POSITIVE)
     public = operation.label in PUBLIC
@@ -284,6 +299,8 @@ def _refused_without_token(operation, real: dict[str, list[Any]]) -> None:
         if case.headers:
             case.headers.pop("Authorization", None)
         response = case.call(headers=headers)
+        if _malformed(response):
+            return  # refused before authentication, as the web server's own parser would
         if public:
             assert response.status_code == 200, response.text[:300]
         else:

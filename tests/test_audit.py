@@ -101,28 +101,86 @@ def _events(tenant, n: int = 5) -> list[int]:
     return list(AuditEvent.objects.order_by("seq").values_list("seq", flat=True))
 
 
-def _verify(client) -> dict:
-    r = client.get("/api/v1/audit/verify/")
+def _verify(client, full: bool = False) -> dict:
+    r = client.get("/api/v1/audit/verify/" + ("?full=true" if full else ""))
     assert r.status_code == 200, r.content
     return r.json()
 
 
-def test_edited_payload_is_detected(tenant, clients):
-    seqs = _events(tenant)
-    assert _verify(clients["auditor"]) == {"ok": True, "events": len(seqs),
-                                           "first_bad_seq": None, "reason": "ok"}
-    target = seqs[3]
+def _edit_payload(seq: int) -> None:
     with connection.cursor() as cur:  # a superuser switches the trigger off and edits
         cur.execute("SET CONSTRAINTS ALL IMMEDIATE")  # (the test's own pending FK checks)
         cur.execute("ALTER TABLE governance_auditevent DISABLE TRIGGER auditevent_append_only")
         cur.execute("UPDATE governance_auditevent SET payload = jsonb_set(payload, '{value}', "
-                    "'100') WHERE seq = %s", [target])
+                    "'100') WHERE seq = %s", [seq])
         cur.execute("ALTER TABLE governance_auditevent ENABLE TRIGGER auditevent_append_only")
-    body = _verify(clients["compliance"])
+
+
+def test_edited_payload_is_detected(tenant, clients):
+    seqs = _events(tenant)
+    assert _verify(clients["auditor"]) == {
+        "ok": True, "events": AuditEvent.objects.filter(tenant=tenant).count(),
+        "first_bad_seq": None, "reason": "ok", "checked": len(seqs), "from_seq": 1,
+        "full": True}
+    target = seqs[3]
+    _edit_payload(target)
+    # An event before the last verified one: the full walk finds it (a click verifies only
+    # what came since), and from then on every click says the chain is broken too.
+    body = _verify(clients["compliance"], full=True)
     assert (body["ok"], body["first_bad_seq"]) == (False, target)
     assert "content" in body["reason"]
+    assert (_verify(clients["auditor"])["ok"], _verify(clients["auditor"])["first_bad_seq"]) \
+        == (False, target)
     with pytest.raises(CommandError, match=rf"seq {target}\b"):
         call_command("verify_audit")
+
+
+def test_a_click_verifies_only_the_events_since_the_last_one(tenant, clients):
+    seqs = _events(tenant, 3)
+    first = _verify(clients["auditor"])
+    assert (first["ok"], first["checked"], first["full"]) == (True, len(seqs), True)
+    assert _verify(clients["auditor"])["checked"] == 0  # nothing new: nothing walked
+    more = [e for e in _events(tenant, 4) if e not in seqs]
+    body = _verify(clients["auditor"])
+    assert (body["ok"], body["checked"], body["from_seq"], body["full"]) == (
+        True, len(more), more[0], False)
+    assert body["events"] == AuditEvent.objects.filter(tenant=tenant).count()
+    # A new event edited after the checkpoint: the next click finds it.
+    newest = [e for e in _events(tenant, 2) if e not in seqs + more]
+    _edit_payload(newest[1])
+    body = _verify(clients["auditor"])
+    assert (body["ok"], body["first_bad_seq"], body["checked"]) == (False, newest[1], 2)
+
+
+def test_a_click_notices_the_checkpoint_event_itself_changed(tenant, clients):
+    seqs = _events(tenant, 3)
+    assert _verify(clients["auditor"])["ok"]
+    with connection.cursor() as cur:
+        cur.execute("SET session_replication_role = replica")
+        cur.execute("UPDATE governance_auditevent SET hash = repeat('0', 64) WHERE seq = %s",
+                    [seqs[-1]])
+        cur.execute("RESET session_replication_role")
+    body = _verify(clients["auditor"])
+    assert (body["ok"], body["first_bad_seq"]) == (False, seqs[-1])
+
+
+def test_manage_verify_audit_walks_everything_whatever_the_checkpoint(tenant, clients):
+    seqs = _events(tenant)
+    assert _verify(clients["auditor"])["ok"]
+    _edit_payload(seqs[0])
+    with pytest.raises(CommandError, match=rf"seq {seqs[0]}\b"):
+        call_command("verify_audit")
+
+
+def test_the_verify_count_is_the_callers_tenant_only(tenant, other_tenant, clients):
+    _events(tenant, 3)
+    for i in range(4):
+        services.record_reward("system:test", other_tenant, value=1.0, response_id=f"o-{i}")
+    mine = AuditEvent.objects.filter(tenant=tenant).count()
+    assert mine < AuditEvent.objects.count()
+    assert _verify(clients["auditor"])["events"] == mine
+    theirs = AuditEvent.objects.filter(tenant=other_tenant).count()
+    assert _verify(clients["outsider"])["events"] == theirs
 
 
 def test_deleted_row_is_detected(tenant, clients):
@@ -134,7 +192,8 @@ def test_deleted_row_is_detected(tenant, clients):
         cur.execute("RESET session_replication_role")
     body = _verify(clients["admin"])
     assert (body["ok"], body["first_bad_seq"]) == (False, target)
-    assert "gap" in body["reason"] and body["events"] == len(seqs) - 1
+    assert "gap" in body["reason"]
+    assert body["events"] == AuditEvent.objects.filter(tenant=tenant).count()
     with pytest.raises(CommandError, match=rf"seq {target}\b"):
         call_command("verify_audit")
 

@@ -88,6 +88,23 @@ def test_tenant_switcher_changes_scope(client, make_member, other_tenant, trajec
     assert str(trajectory.id) not in client.get("/trajectories/").content.decode()
 
 
+@pytest.mark.parametrize("target", ["//evil.example/", "https://evil.example/x",
+                                    "///evil.example", "/\\evil.example", "javascript:alert(1)",
+                                    "http://testserver.evil.example/"])
+def test_tenant_switch_never_redirects_off_site(client, make_member, other_tenant, target):
+    from governance.services import ensure_member
+
+    user = make_member("admin", "multi")
+    ensure_member("system:test", other_tenant, "multi", "auditor")
+    client.force_login(user)
+    response = client.post("/tenant/switch/", {"tenant": other_tenant.pk, "next": target})
+    assert response.status_code == 302 and response["Location"] == "/", response["Location"]
+    # A path of this site is still followed.
+    response = client.post("/tenant/switch/", {"tenant": other_tenant.pk,
+                                               "next": "/trajectories/?page=2"})
+    assert response["Location"] == "/trajectories/?page=2"
+
+
 def test_anonymous_cannot_post_a_raw_read(client, db, trajectory):
     url = f"/trajectories/{trajectory.id}/steps/{uuid.uuid4()}/raw/"
     response = client.post(url, {"reason": "x"})

@@ -124,7 +124,9 @@ def test_verify_reports_ok_then_the_tampered_row(client, make_member, tenant):
 
     target = AuditEvent.objects.get(object_type="reward", object_id=str(events[1].pk)).seq
     _tamper(target)
-    fragment = client.post("/audit/verify/", **HTMX).content.decode()
+    # Before the last verified event: "Verify chain" walks only what came since; the full
+    # walk finds it, and from then on every click reports it.
+    fragment = client.post("/audit/verify/", {"full": "1"}, **HTMX).content.decode()
     assert f"Broken at seq {target}" in fragment and "<html" not in fragment
     assert "content" in fragment
     page = client.get("/audit/").content.decode()
@@ -133,13 +135,30 @@ def test_verify_reports_ok_then_the_tampered_row(client, make_member, tenant):
     assert f"Audit chain broken at seq {target}" in client.get("/audit/").content.decode()
 
 
+def test_verify_button_walks_only_new_events_and_counts_this_tenant(
+        client, make_member, tenant, other_tenant):
+    for i in range(3):
+        services.record_reward("system:test", tenant, value=float(i), response_id=f"r-{i}")
+        services.record_reward("system:test", other_tenant, value=1.0, response_id=f"o-{i}")
+    _login(client, make_member, "auditor")
+    client.post("/audit/verify/")
+    mine = AuditEvent.objects.filter(tenant=tenant).count()
+    page = client.get("/audit/").content.decode()
+    assert f"This tenant has {mine} events" in page and "whole chain walked" in page
+    services.record_reward("system:test", tenant, value=9.0, response_id="r-new")
+    fragment = client.post("/audit/verify/", **HTMX).content.decode()
+    assert "1 new event checked" in fragment and "Intact." in fragment
+    assert f"This tenant has {mine + 1} events" in fragment
+
+
 def test_no_verification_on_page_load(client, make_member, tenant, monkeypatch):
     import governance.views.audit as view
 
     def boom():
-        raise AssertionError("verify_chain must not run on a page load")
+        raise AssertionError("no verification may run on a page load")
 
-    monkeypatch.setattr(view, "verify_chain", boom)
+    monkeypatch.setattr(view, "verify_new_events", boom)
+    monkeypatch.setattr(view, "verify_full_chain", boom)
     _login(client, make_member, "compliance")
     assert client.get("/audit/").status_code == 200
 

@@ -107,26 +107,28 @@ def test_bad_retention_is_a_message_and_keeps_the_input(client, make_member, ten
 
 def test_sanitizer_operator_change_is_audited(client, make_member, tenant):
     user = _login(client, make_member, "compliance")
+    # Stricter everywhere (weaker takes a second person: tests/test_sanitizer_four_eyes.py).
     response = client.post("/settings/sanitizer/", {
-        "op-EMAIL_ADDRESS": "hash", "op-LOCATION": "redact", "op-PERSON": "",
-        "score_threshold": "0.6", "detect_organizations": "on"})
+        "op-EMAIL_ADDRESS": "redact", "op-LOCATION": "redact", "op-PERSON": "",
+        "score_threshold": "0.4", "detect_organizations": "on"})
     assert response.status_code == 302
     stored = Tenant.objects.get(pk=tenant.pk).sanitizer_policy
-    assert stored["operators"] == {"EMAIL_ADDRESS": "hash", "LOCATION": "redact"}
-    assert stored["score_threshold"] == 0.6 and stored["detect_organizations"] is True
+    assert stored["operators"] == {"EMAIL_ADDRESS": "redact", "LOCATION": "redact"}
+    assert stored["score_threshold"] == 0.4 and stored["detect_organizations"] is True
     event = AuditEvent.objects.get(action="sanitizer_policy.updated")
     assert event.actor == f"user:{user.pk}"
-    assert event.payload["operators"] == {"EMAIL_ADDRESS": "hash", "LOCATION": "redact"}
+    assert event.payload["operators"] == {"EMAIL_ADDRESS": "redact", "LOCATION": "redact"}
     page = client.get("/settings/").content.decode()
     assert "Sanitizer policy saved" in page
     select = page[page.index('name="op-EMAIL_ADDRESS"'):]
     select = select[:select.index("</select>")]
-    assert '<option value="hash" selected>' in select
+    assert '<option value="redact" selected>' in select
     # A read-only role sees the effective operator.
     client.force_login(make_member("auditor"))
     ro = client.get("/settings/").content.decode()
     row = ro[ro.index("<code>EMAIL_ADDRESS</code>"):]
-    assert row[:row.index("</tr>")].count("hash") == 1 and "(tenant setting)" in row
+    assert row[:row.index("</tr>")].count("<strong>redact</strong>") == 1
+    assert "(tenant setting)" in row
 
 
 def test_bad_sanitizer_operator_changes_nothing(client, make_member, tenant):

@@ -240,17 +240,23 @@ def test_subject_filter_finds_by_email_without_keeping_it(client, make_member, t
     other = make_trajectory(tenant, agents[0], steps=1,
                             subject_hash=subject_hash(tenant.pk, "bob@example.com"))
     client.force_login(make_member("compliance"))
-    response = client.get("/trajectories/", {"subject": EMAIL.lower()})
-    # The typed identifier leaves the address bar: a signed reference to its hashes instead.
-    assert response.status_code == 302
+    # The search form POSTs the subject (never in a URL, so never in an access log) and is
+    # redirected to a signed reference to its hashes.
+    page = client.get("/trajectories/").content.decode()
+    assert re.search(r'<form method="post" action="/trajectories/"[^>]*hx-post=', page)
+    response = client.post("/trajectories/", {"subject": EMAIL.lower()})
+    assert response.status_code == 303
     location = response["Location"]
     assert "subject_ref=" in location and "maria" not in location.lower()
     body = client.get(location).content.decode()
     assert ids_in(body) == {str(by_header.id), str(by_content.id)}
     assert "maria" not in body.lower() and str(other.id) not in body
+    # A hand-made GET with the subject: the same redirect.
+    response = client.get("/trajectories/", {"subject": EMAIL.lower()})
+    assert response.status_code == 303 and response["Location"] == location
     # htmx: the same, the pushed URL carries no identifier either.
-    response = client.get("/trajectories/", {"subject": EMAIL}, HTTP_HX_REQUEST="true",
-                          HTTP_HX_TARGET="results")
+    response = client.post("/trajectories/", {"subject": EMAIL}, HTTP_HX_REQUEST="true",
+                           HTTP_HX_TARGET="results")
     assert response.status_code == 200
     assert "maria" not in response["HX-Push-Url"].lower()
     assert ids_in(response.content.decode()) == {str(by_header.id), str(by_content.id)}

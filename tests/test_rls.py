@@ -201,6 +201,10 @@ def world(tenant, other_tenant, make_member):
                                               content={"snippet": "x"}, version=1,
                                               content_hash="0" * 64)
         PolicyRoute.objects.create(tenant=t, agent=key.agent, share=0.1, context_update=update)
+        from governance.models import SanitizerPolicyChange
+
+        SanitizerPolicyChange.objects.create(tenant=t, policy={"operators": {}},
+                                             requested_by=admin)
         from trainer.models import (
             Candidate,
             EvolutionPolicy,
@@ -466,7 +470,11 @@ def test_flows_as_the_app_role(app_connection, tmp_path, client, api_client_for,
     assert {r["id"] for r in listed} == {r["trajectory_id"] for r in records[0::2]}
     verify = api.get("/api/v1/audit/verify/").json()
     total = superuser_rows("SELECT count(*) FROM governance_auditevent")[0][0]
-    assert verify == {"ok": True, "events": total, "first_bad_seq": None, "reason": "ok"}
+    own = superuser_rows("SELECT count(*) FROM governance_auditevent WHERE tenant_id = %s",
+                         [acme.pk])[0][0]
+    # The whole chain is walked (the first verification); the count is acme's events only.
+    assert verify == {"ok": True, "events": own, "first_bad_seq": None, "reason": "ok",
+                      "checked": total, "from_seq": 1, "full": True}
     assert verify_chain() == (True, None, "ok")
 
     # Console: the session's tenant only.

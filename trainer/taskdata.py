@@ -10,8 +10,9 @@ conversation with every call, so the last call holds the most context):
                 the `logged` reward
     tools       the tool schemas the agent offered (observation.tools), if any
 
-Steps count as of the version's freeze (governance.datasets.member_steps: created_at <= the
-version's created_at), so a session that went on after the freeze adds nothing.
+Steps and rewards count as of the version's freeze (governance.datasets.member_steps and
+pinned_rewards: created_at <= the version's created_at, both covered by its content hash), so a
+session that went on after the freeze adds nothing, and neither does a label posted after it.
 Chat completions steps give their `messages`; Responses API steps their `instructions` (as a
 system message) and `input` (a string, or message items). Other steps (legacy completions,
 non-JSON bodies) give no example.
@@ -40,6 +41,7 @@ from typing import Any
 from django.db.models import Q
 
 from governance.capture import message_text
+from governance.datasets import pinned_rewards
 from governance.models import DatasetVersion, DatasetVersionMember, Reward, Step
 
 CHUNK = 500
@@ -167,8 +169,9 @@ def iter_examples(version: DatasetVersion, *, reference_reward: str = "reference
                      .order_by("trajectory_id", "started_at", "id")):
             steps.setdefault(str(step.trajectory_id), []).append(step)
         response_ids = [s.response_id for ss in steps.values() for s in ss if s.response_id]
-        rewards = list(Reward.objects.filter(tenant_id=version.tenant_id, name__in=names,
-                                             final=True)
+        # Only the rewards the version pins (its hash covers them): a label posted after the
+        # freeze needs a new version and a new approval.
+        rewards = list(pinned_rewards(version).filter(name__in=names, final=True)
                        .filter(Q(trajectory_id__in=chunk) | Q(response_id__in=response_ids)))
         for tid_obj in chunk:
             tid = str(tid_obj)

@@ -75,6 +75,42 @@ class Policy:
                 "detect_organizations": self.detect_organizations}
 
 
+# How much of a found value each operator lets through, least to most: `redact` nothing but the
+# type; `placeholder` a label numbered within one trajectory; `hash` a keyed hash that is the
+# same wherever the value appears (linkable across trajectories); `keep` the value itself.
+OPERATOR_EXPOSURE = {"redact": 0, "placeholder": 1, "hash": 2, "keep": 3}
+
+
+def weakenings(old: dict[str, Any] | None, new: dict[str, Any] | None) -> list[str]:
+    """What `new` lets through that `old` did not (empty: `new` is as strict or stricter).
+    Effective operators are compared (defaults included), so dropping an override that was
+    stricter than the default counts too. Lists are compared by size and content without
+    naming their entries (they may name people)."""
+    before, after = Policy.from_dict(old, secret=b"compare"), Policy.from_dict(new,
+                                                                                secret=b"compare")
+    found = []
+    entities = sorted(set(DEFAULT_OPERATORS) | set(before.operators) | set(after.operators))
+    for entity in entities:
+        was, now = before.operator_for(entity), after.operator_for(entity)
+        if OPERATOR_EXPOSURE[now] > OPERATOR_EXPOSURE[was]:
+            found.append(f"{entity}: {was} -> {now}")
+    if after.score_threshold > before.score_threshold:
+        found.append(f"score threshold {before.score_threshold} -> {after.score_threshold} "
+                     "(fewer findings)")
+    if before.detect_organizations and not after.detect_organizations:
+        found.append("organizations no longer detected")
+    added = {v.strip().casefold() for v in after.allow_list if v.strip()} - {
+        v.strip().casefold() for v in before.allow_list if v.strip()}
+    if added:
+        found.append(f"allow list: {len(added)} new entr{'y' if len(added) == 1 else 'ies'}")
+    removed = {v.strip().casefold() for v in before.deny_list if v.strip()} - {
+        v.strip().casefold() for v in after.deny_list if v.strip()}
+    if removed:
+        found.append(f"deny list: {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} "
+                     "removed")
+    return found
+
+
 def _mac(secret: bytes, purpose: str, value: str) -> str:
     return hmac.new(secret, f"{purpose}\x00{value}".encode(), hashlib.sha256).hexdigest()
 

@@ -20,7 +20,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from governance.capture import message_text
-from governance.datasets import review_sample
+from governance.datasets import pinned_rewards, review_sample
 from governance.models import (
     DatasetVersion,
     DatasetVersionMember,
@@ -219,6 +219,8 @@ def _review(request: HttpRequest, version: DatasetVersion, *, reason: str = "",
         "status_hint": status_hint(version),
         "history": version_history(version),
         "facts": review_facts(version),
+        # The labels the version pins (covered by its hash; later rewards are not in it).
+        "pinned_rewards": pinned_rewards(version).count(),
         "allows": allows_text(version),
         "is_pending": version.status == PENDING,
         "can_approve": can_approve,

@@ -24,7 +24,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
-from django.utils.http import urlencode
+from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 from django.views.decorators.http import require_POST
 
 from governance.middleware import SESSION_KEY
@@ -54,7 +54,13 @@ def switch_tenant(request: HttpRequest) -> HttpResponse:
     if not any(str(m.tenant_id) == wanted for m in request.memberships):
         raise Http404("no such tenant")
     request.session[SESSION_KEY] = int(wanted)
-    return redirect(request.POST.get("next") or "overview")
+    # `next` comes from the form, so from whoever built the form: only a path on this host is
+    # followed (`//evil.example` and `https://evil.example/` are not), else the overview.
+    target = request.POST.get("next") or ""
+    if not url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()},
+                                           require_https=request.is_secure()):
+        return redirect("overview")
+    return redirect(target)
 
 
 class Percentile(Aggregate):

@@ -14,16 +14,17 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from governance.atdp import CLASSIFICATION_ORDER
-from governance.models import RetentionPolicy, Tenant
+from governance.models import RetentionPolicy, SanitizerPolicyChange, Tenant
 from governance.recognizers import IDENTIFIER_TYPES, NER_TYPES, SECRET_TYPES
 from governance.retention import default_policy, effective_policies
 from governance.sanitizer.policy import DEFAULT_OPERATORS, OPERATORS, Policy
 from governance.services import (
     MAX_RETENTION_DAYS,
     ServiceError,
+    decide_sanitizer_policy_change,
     delete_retention_policy,
+    propose_sanitizer_policy,
     set_retention_policy,
-    set_sanitizer_policy,
 )
 from governance.views.common import can, console_view
 
@@ -94,6 +95,9 @@ def _context(request: HttpRequest, *, retention_form: dict[str, Any] | None = No
         "retention_form": retention_form,
         "can_manage_retention": can(request, "manage_retention"),
         "can_manage_sanitizer": can(request, "manage_sanitizer"),
+        "policy_changes": list(SanitizerPolicyChange.objects.for_tenant(tenant)
+                               .filter(status=SanitizerPolicyChange.Status.PENDING)
+                               .select_related("requested_by").order_by("requested_at")),
         "sanitizer_rows": _sanitizer_rows(policy, sanitizer_submitted),
         "operators": OPERATORS,
         "operator_help": OPERATOR_HELP.items(),
@@ -175,10 +179,35 @@ def sanitizer_set(request: HttpRequest) -> HttpResponse:
               "deny_list": list(stored.get("deny_list", [])),
               "score_threshold": score, "detect_organizations": organizations}
     try:
-        set_sanitizer_policy(request.user, request.tenant, policy)
+        change = propose_sanitizer_policy(request.user, request.tenant, policy)
     except ServiceError as exc:
         return _invalid(request, f"The sanitizer policy was not saved: {exc}.",
                         sanitizer_submitted=submitted, sanitizer_extra=extra)
+    if change is not None:
+        messages.warning(request, "This change lets more identifying data through ("
+                         + "; ".join(change.weakenings) + "): it is waiting for another "
+                         "person who may manage the sanitizer to approve it. The policy in "
+                         "force is unchanged until then.")
+        return redirect("settings")
     messages.success(request, "Sanitizer policy saved. It applies to calls sanitized from now "
                      "on; steps already built keep their sanitizer version.")
+    return redirect("settings")
+
+
+@console_view(permission="manage_sanitizer")
+@require_POST
+def sanitizer_change_decide(request: HttpRequest, change_id: int) -> HttpResponse:
+    """Approve or reject a pending weakening of the sanitizer policy (four eyes, enforced by
+    services.decide_sanitizer_policy_change)."""
+    change = (SanitizerPolicyChange.objects.for_tenant(request.tenant).filter(pk=change_id)
+              .first())
+    if change is None:
+        raise Http404("no such sanitizer policy change")
+    approve = request.POST.get("decision") == "approve"
+    try:
+        decide_sanitizer_policy_change(request.user, change, approve=approve)
+    except ServiceError as exc:
+        return _invalid(request, f"Not decided: {exc}.")
+    messages.success(request, "Sanitizer policy change approved: it applies to calls sanitized "
+                     "from now on." if approve else "Sanitizer policy change rejected.")
     return redirect("settings")

@@ -4,10 +4,16 @@ Search (`/trajectories/`): agent, session, data subject, time range, reward boun
 50 per page. The subject is typed as the person knows it (an email, a customer id) and turned
 into the keyed hashes erasure uses (governance.erasure.lookup_hashes); the page then carries a
 signed reference to those hashes instead of the identifier, so it is not kept in the pager
-links or the browser history. Matches: the subject header of the trajectory
-(Trajectory.subject_hash) or an identifier the sanitizer found in one of its steps (the subject
-index). Counting stops at COUNT_CAP: an exact count of a large filtered set costs as much as the
-whole search, and "more than 1,000" says enough.
+links or the browser history. The search form is a POST (answered with a redirect to the GET
+address that carries the reference, or, for htmx, the results with that address pushed): a
+typed identifier never travels in a URL, so no access log, proxy log or Referer holds it. (A
+hand-made GET with `subject=` still works the same way; config/gunicorn_logging.py keeps
+query strings out of the web access log for that case.)
+
+Matches: the subject header of the trajectory (Trajectory.subject_hash) or an identifier the
+sanitizer found in one of its steps (the subject index). Counting stops at COUNT_CAP: an exact
+count of a large filtered set costs as much as the whole search, and "more than 1,000" says
+enough.
 
 Detail (`/trajectories/<id>/`): the ATDP document (governance.atdp.trajectory_document: steps,
 tool results, rewards, governance in three queries) rendered as the conversation it was — each
@@ -29,13 +35,13 @@ from django.core import signing
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import render
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 from django.utils.html import escape, format_html
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_http_methods, require_POST
 
 from governance.atdp import trajectory_document
 from governance.datasets import latest_rewards, reward_within
@@ -303,6 +309,12 @@ def _filter_query(data: dict[str, Any], ref: str) -> dict[str, str]:
     return out
 
 
+def redirect_303(url: str) -> HttpResponse:
+    response = HttpResponse(status=303)
+    response["Location"] = url
+    return response
+
+
 def _list_response(request: HttpRequest, template: str, context: dict[str, Any],
                    push_url: str | None = None) -> HttpResponse:
     response = render(request, template, context)
@@ -312,10 +324,14 @@ def _list_response(request: HttpRequest, template: str, context: dict[str, Any],
     return response
 
 
+@require_http_methods(["GET", "HEAD", "POST"])
 @console_view(permission="read_trajectories")
 def trajectory_list(request: HttpRequest) -> HttpResponse:
     tenant = request.tenant
-    form = TrajectoryFilter(request.GET or None)
+    # The search form POSTs (the subject stays out of URLs); pager links and pushed addresses
+    # are GETs with the signed reference.
+    params = request.POST if request.method == "POST" else request.GET
+    form = TrajectoryFilter(params or None)
     errors: list[str] = []
     data: dict[str, Any] = {}
     ref = ""
@@ -329,15 +345,18 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
             errors = [f"{form.fields[k].label or k.replace('_', ' ').capitalize()}: {e}"
                       if k != "__all__" else str(e)
                       for k, errs in form.errors.items() for e in errs]
-        ref = request.GET.get("subject_ref", "") if data.get("subject_ref") else ""
+        ref = params.get("subject_ref", "") if data.get("subject_ref") else ""
         if data.get("subject"):
             # Typed: computed into keyed hashes; the address bar and the pager keep the signed
             # reference, never the identifier.
             ref = subject_ref(tenant.pk, data["subject"])
             data["subject_ref"] = signing.loads(ref, salt=SUBJECT_SALT)
-            clean_url = f"{reverse('trajectories')}?{urlencode(_filter_query(data, ref))}"
-            if not request.htmx and not errors:
-                return redirect(clean_url)
+        if (request.method == "POST" or data.get("subject")) and not request.htmx \
+                and not errors:
+            # Post/redirect/get: the results live at a GET address without the identifier
+            # (303: the browser follows with a GET; reloading never re-posts).
+            query = urlencode(_filter_query(data, ref))
+            return redirect_303(f"{reverse('trajectories')}" + (f"?{query}" if query else ""))
     query = _filter_query(data, ref)
     # An invalid filter lists nothing: a list that silently ignores "status=quarantend" looks
     # like the filtered one. The errors say what to fix; the form keeps what was typed.
@@ -353,6 +372,7 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
     active = bool(query)
     context = {
         "form": form,
+        "params": params,
         "data": data,
         "errors": errors,
         "page": page,
