@@ -15,7 +15,7 @@ left out. `secrets.NewSecret(regex)` draws from the regex with a seeded generato
 is the same on every build. GenerateSampleSecrets expands one secret into ~30 file formats; we
 keep 3 of them per call (seeded choice) so one vendor does not dominate the corpus.
 
-    python -m tests.bench.gitleaks_corpus /path/to/gitleaks/checkout > tests/bench/data/gitleaks_tps.jsonl
+    python -m tests.bench.gitleaks_corpus GITLEAKS_CHECKOUT > tests/bench/data/gitleaks_tps.jsonl
 """
 
 from __future__ import annotations
