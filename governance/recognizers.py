@@ -30,6 +30,8 @@ SECRET_TYPES = frozenset({
 IDENTIFIER_TYPES = frozenset({
     "PERSON", "EMAIL_ADDRESS", "PHONE_NUMBER", "IBAN_CODE", "CREDIT_CARD", "IP_ADDRESS",
     "US_SSN", "UK_NINO", "UK_NHS", "IN_PAN", "IN_AADHAAR", "SUBJECT_ID",
+    # Presidio's own government and financial ids
+    "US_DRIVER_LICENSE", "US_PASSPORT", "US_ITIN", "US_BANK_NUMBER", "MEDICAL_LICENSE", "CRYPTO",
 })
 NER_TYPES = frozenset({"PERSON", "LOCATION", "ORGANIZATION"})
 
@@ -196,13 +198,21 @@ def _aws_secret(text: str, m: re.Match[str]) -> float | None:
 
 
 def _iban(text: str, m: re.Match[str]) -> float | None:
-    return 0.95 if iban_ok(m.group(0)) else None
+    from stdnum import iban
+
+    return 0.95 if iban.is_valid(m.group(0)) else None
 
 
 def _card(text: str, m: re.Match[str]) -> float | None:
     raw = m.group(0)
     digits = only_digits(raw)
-    if not 13 <= len(digits) <= 19 or digits[0] not in "23456" or not luhn_ok(digits):
+    # 12 (Maestro) to 19 digits, an issuer prefix (2-6: Mastercard, Amex, JCB, Diners, Visa,
+    # Discover, Maestro, UnionPay) and a Luhn check digit (python-stdnum).
+    from stdnum import luhn
+
+    if not 12 <= len(digits) <= 19 or digits[0] not in "23456" or not luhn.is_valid(digits):
+        return None
+    if len(digits) == 12 and not digits.startswith(("50", "56", "57", "58", "6")):
         return None
     seps = set(re.sub(r"\d", "", raw))
     if len(seps) > 1:
@@ -262,7 +272,9 @@ def _nhs(text: str, m: re.Match[str]) -> float | None:
     raw = m.group(0)
     if not nhs_ok(only_digits(raw)):
         return None
-    if " " in raw or "-" in raw or "nhs" in _context_before(text, m.start()):
+    if "nhs" in _context_before(text, m.start()):
+        return 0.85  # said to be one: wins over the phone number of the same digits
+    if " " in raw or "-" in raw:
         return 0.75
     return None
 
@@ -327,13 +339,6 @@ PATTERNS: tuple[PatternRecognizer, ...] = (
     PatternRecognizer("url_password", "URL_PASSWORD",
                       _c(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@\"'<>]+:([^\s@/\"'<>]+)@"),
                       0.99, group=1, hint=_c("://")),
-    PatternRecognizer(
-        "secret_assignment", "SECRET",
-        _c(r"(?i)\b(?:password|passwd|pwd|passphrase|secret|api[_-]?key|apikey|access[_-]?token|"
-           r"auth[_-]?token|refresh[_-]?token|client[_-]?secret|private[_-]?key)\b"
-           r"[\"']?\s*(?:[:=]|\bis\b)\s*[\"']?([^\s\"',;<>]{6,})"),
-        0.8, group=1, validate=_secret_assignment,
-        hint=_c("(?i)pass|pwd|secret|key|token")),
     # ---- identifiers
     PatternRecognizer("email", "EMAIL_ADDRESS",
                       _c(r"(?<![\w.+-])\w[\w.%+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*"
@@ -341,10 +346,10 @@ PATTERNS: tuple[PatternRecognizer, ...] = (
                          r"\.[A-Za-z]{2,24}\b"),
                       0.95, hint=_c("@")),
     PatternRecognizer("iban", "IBAN_CODE",
-                      _c(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b"),
-                      0.95, validate=_iban, hint=_c(r"[A-Z]{2}\d\d")),
+                      _c(r"(?i)\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b"),
+                      0.95, validate=_iban, hint=_c(r"(?i)[A-Z]{2}\d\d")),
     PatternRecognizer("credit_card", "CREDIT_CARD",
-                      _c(r"(?<![\w.,$€£-])(?:\d[ -]?){12,18}\d(?![\w-])"),
+                      _c(r"(?<![\w.,$€£-])(?:\d[ -]?){11,18}\d(?![\w-])"),
                       0.9, validate=_card, hint=_c(r"\d{4}")),
     PatternRecognizer("ipv4", "IP_ADDRESS",
                       _c(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}"
@@ -592,3 +597,357 @@ def offline_tldextract() -> None:
     extractor = tx.TLDExtract(cache_dir=None, suffix_list_urls=(), fallback_to_snapshot=True)
     extractor._steward_offline = True  # type: ignore[attr-defined]
     tx.TLD_EXTRACTOR = extractor
+
+
+# --- secrets: detect-secrets' plugins plus keyword assignments in every casing -------------------
+
+# A key that names a secret, in any convention: OPENAI_API_KEY, mailsac-token, refreshToken,
+# xxx_secret, db.password, clientSecret ("_" is a word character, so no \b before the word).
+_SECRET_WORD = (r"pass(?:word|wd|phrase|code)?|pwd|secret|token|api[_.\-]?key|apikey|"
+                r"access[_.\-]?key|auth(?:[_.\-]?key)?|credentials?|private[_.\-]?key|"
+                r"client[_.\-]?secret|signing[_.\-]?key|session[_.\-]?(?:id|key)|cookie|"
+                r"licen[cs]e[_.\-]?key|master[_.\-]?key|encryption[_.\-]?key|webhook[_.\-]?url|"
+                r"dsn|connection[_.\-]?string|conn[_.\-]?str|sas")
+_SECRET_KEY_NAME = rf"[A-Za-z0-9_.\-]*(?i:{_SECRET_WORD})[A-Za-z0-9_.\-]*"
+# The value: stops at quotes, whitespace, separators and a written "\n" (JSON-escaped text).
+_SECRET_VALUE = r"((?:[^\s\"'`,;<>()\[\]{}\\]|\\(?![nrt\"]))+)"
+_KEYWORD_ASSIGNMENT = re.compile(
+    rf"(?<![A-Za-z0-9])[$@]?({_SECRET_KEY_NAME})[\"'`]?[ \t]*"
+    r"(?:=|:=|::=|:::=|\?=|\.=|\+=|=>|->|:|,|\bis\b|\bto\b)[ \t]*"
+    rf"(?:[\"'`]|\\\")?[ \t]*(?:Bearer[ \t]+|Basic[ \t]+|Token[ \t]+)?{_SECRET_VALUE}")
+# Command-line flags: `--token hf_…`, `-password=…`.
+_FLAG_SECRET = re.compile(rf"(?<![\w-])--?({_SECRET_KEY_NAME})(?:[ \t]+|=)[\"']?{_SECRET_VALUE}")
+_XML_SECRET = re.compile(rf"<({_SECRET_KEY_NAME})>\s*([^<\s]{{6,}})\s*</\1>")
+_URL_QUERY_SECRET = re.compile(
+    r"[?&](?i:key|api[_-]?key|apikey|token|access[_-]?token|auth|secret|sig|signature|"
+    r"password|pwd|code|client[_-]?secret|x-amz-signature|x-amz-credential)=([^&\s#\"'<>]{6,})")
+_NOT_A_SECRET_VALUE = re.compile(
+    r"(?i)^(?:none|null|nil|true|false|undefined|required|optional|string|str|int|bool|"
+    r"redacted|hidden|masked|\*+|x+|\.+|changeme|example|placeholder|your[_\-].*|<.*>|"
+    r"\$\{.*\}|\$\w+|\{\{.*\}\}|%\w+%|os\.environ.*|process\.env.*|env\(.*|getenv.*)$")
+_PASSWORD_WORD = re.compile(r"(?i)pass(?:word|wd|phrase|code)?|pwd")
+# A long random-looking token anywhere (vendor keys with a prefix nobody listed: glpat-, hvs.,
+# FlyV1 fm2_, sk-ant-...): letters and digits mixed, high entropy, not a hex digest or a path.
+_RANDOM_TOKEN = re.compile(r"(?<![\w+/=~.\-])[A-Za-z0-9][A-Za-z0-9_+/=~.\-|]{19,}")
+_HEX_ONLY = re.compile(r"[0-9a-fA-F\-]+")
+
+
+def random_token(value: str) -> bool:
+    if _HEX_ONLY.fullmatch(value) or value.count("/") > 3 or value.count(".") > 3:
+        return False  # digests, uuids, paths, dotted names
+    classes = sum((any(c.isupper() for c in value), any(c.islower() for c in value),
+                   any(c.isdigit() for c in value)))
+    if classes < 2 or (classes == 2 and len(value) < 30):
+        return False
+    return _entropy(value) >= (3.8 if classes == 3 else 4.2)
+
+
+def _entropy(value: str) -> float:
+    from math import log2
+
+    counts: dict[str, int] = {}
+    for ch in value:
+        counts[ch] = counts.get(ch, 0) + 1
+    n = len(value)
+    return -sum(c / n * log2(c / n) for c in counts.values())
+
+
+def secret_like(value: str, password_key: bool = False) -> bool:
+    """A value that could be a credential: not a placeholder, a type name or an English word.
+    Passwords may be words ("hunter2"); other secrets need a digit, mixed case or entropy."""
+    if _NOT_A_SECRET_VALUE.match(value) or len(set(value)) < 3:
+        return False
+    if password_key:
+        return len(value) >= 4
+    if len(value) < 8:
+        return False
+    if re.fullmatch(r"[a-z]+(?:[_\-.][a-z]+)*", value) or re.fullmatch(r"[A-Z][a-z]+", value):
+        return False  # identifiers and words: "read_only", "session-cookie"
+    if re.fullmatch(r"[\w.\-]+\.(?:py|js|ts|json|yaml|yml|txt|md|html|env|cfg|ini|toml)", value):
+        return False  # a file name
+    has_digit = any(c.isdigit() for c in value)
+    mixed = any(c.isupper() for c in value) and any(c.islower() for c in value)
+    return has_digit or mixed or _entropy(value) >= 3.0
+
+
+class SecretsRecognizer:
+    """Credentials: detect-secrets' vendor plugins (AWS, GitHub, GitLab, Slack, Stripe, Twilio,
+    SendGrid, npm, PyPI, OpenAI, Discord, Telegram, JWT, private keys, basic auth, ...), its
+    keyword and high-entropy detectors, and key-value assignments whose key names a secret in
+    any casing convention (`OPENAI_API_KEY=`, `refreshToken:`, `xxx_secret: `, `token = '…'`,
+    `<apiToken>…</apiToken>`, `?key=` in URLs)."""
+
+    name = "secrets"
+    entity_type = "SECRET"
+
+    def __init__(self) -> None:
+        self.vendor: list | None = None  # detect-secrets' plugins, loaded on first use
+
+    def _load(self) -> None:
+        from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+        from detect_secrets.plugins.high_entropy_strings import HighEntropyStringsPlugin
+        from detect_secrets.plugins.keyword import KeywordDetector
+
+        vendor = []
+        for cls in get_mapping_from_secret_type_to_class().values():
+            if issubclass(cls, HighEntropyStringsPlugin | KeywordDetector):
+                continue
+            if cls.__name__ in ("IPPublicDetector",):  # an IP is not a secret (IP_ADDRESS is)
+                continue
+            vendor.append(cls())
+        from detect_secrets.plugins.high_entropy_strings import (
+            Base64HighEntropyString,
+            HexHighEntropyString,
+        )
+
+        self.entropy = [Base64HighEntropyString(limit=4.5), HexHighEntropyString(limit=3.0)]
+        self.keyword = KeywordDetector()
+        self.vendor = vendor
+
+    def find(self, text: str) -> Iterable[Span]:
+        if self.vendor is None:
+            self._load()
+        seen: set[tuple[int, int]] = set()
+
+        def span(start: int, end: int, score: float, how: str) -> Iterable[Span]:
+            if end - start >= 4 and (start, end) not in seen:
+                seen.add((start, end))
+                yield Span("SECRET", start, end, score, how)
+
+        for m in (*_KEYWORD_ASSIGNMENT.finditer(text), *_FLAG_SECRET.finditer(text)):
+            key, value = m.group(1), m.group(2).rstrip(".")
+            if secret_like(value, bool(_PASSWORD_WORD.search(key))):
+                yield from span(m.start(2), m.start(2) + len(value), 0.8, "secret_assignment")
+        for m in _XML_SECRET.finditer(text):
+            if secret_like(m.group(2)):
+                yield from span(m.start(2), m.end(2), 0.8, "secret_assignment")
+        for m in _RANDOM_TOKEN.finditer(text):
+            value = m.group(0).rstrip(".=|")
+            if random_token(value):
+                yield from span(m.start(), m.start() + len(value), 0.6, "random_token")
+        if "=" in text and ("?" in text or "&" in text):
+            for m in _URL_QUERY_SECRET.finditer(text):
+                if secret_like(m.group(1)):
+                    yield from span(m.start(1), m.end(1), 0.85, "url_query_secret")
+        plugins = [(p, True) for p in self.vendor] + [(p, False) for p in self.entropy] + [
+            (self.keyword, False)]
+        for plugin, vendor in plugins:
+            try:
+                found = list(plugin.analyze_string(text))
+            except Exception:  # noqa: BLE001 - a plugin's bug must not stop the others
+                continue
+            for value in found:
+                if not isinstance(value, str) or len(value) < 6:
+                    continue
+                if not vendor and not secret_like(value):
+                    continue
+                for vm in re.finditer(re.escape(value), text):
+                    yield from span(vm.start(), vm.end(), 0.9 if vendor else 0.7,
+                                    f"detect_secrets:{type(plugin).__name__}")
+
+
+# --- spaCy's entities as a recognizer ------------------------------------------------------------
+
+_NER_LABELS = {"PERSON": "PERSON", "GPE": "LOCATION", "LOC": "LOCATION", "FAC": "LOCATION",
+               "ORG": "ORGANIZATION"}
+
+
+def country_names() -> frozenset[str]:
+    """Country names in the languages libphonenumber knows (its region display names)."""
+    from phonenumbers.geodata.locale import LOCALE_DATA
+
+    names = {n.casefold() for langs in LOCALE_DATA.values() for n in langs.values()}
+    names |= {"usa", "us", "u.s.", "u.s.a.", "uk", "u.k.", "america", "england", "scotland",
+              "wales", "northern ireland", "the netherlands", "holland", "the united states"}
+    return frozenset(names)
+
+
+class NerRecognizer:
+    """The model's PERSON / GPE / LOC / FAC / ORG entities with Steward's rules: agent
+    vocabulary is not a person, a possessive "'s" is not part of the name, and a country alone
+    is `COUNTRY` (kept by the default policy) while a city, region or street is `LOCATION`."""
+
+    name = "spacy_ner"
+    entity_type = "PERSON"
+
+    def __init__(self) -> None:
+        self._countries: frozenset[str] | None = None
+
+    @property
+    def countries(self) -> frozenset[str]:
+        if self._countries is None:
+            self._countries = country_names()
+        return self._countries
+
+    def find(self, text: str, nlp_artifacts) -> Iterable[Span]:
+        for ent in nlp_artifacts.tokens.ents:
+            etype = _NER_LABELS.get(ent.label_)
+            if etype is None:
+                continue
+            value = ent.text
+            if etype == "PERSON" and not plausible_person(value):
+                continue
+            if etype != "PERSON" and value.casefold() in AGENT_VOCAB:
+                continue  # "IBAN" is not an organisation
+            start, end = ent.start_char, ent.end_char
+            if value.endswith(("'s", "’s")):
+                end -= 2
+            if etype == "LOCATION" and value.strip().casefold().removeprefix("the ") in \
+                    self.countries:
+                etype = "COUNTRY"
+            # Places and organisations lose to any validated pattern and to a name from context
+            # (privacy first: a person called a place would leak).
+            score = 0.85 if etype == "PERSON" else 0.5
+            yield Span(etype, start, end, score, self.name)
+
+
+# --- ages ----------------------------------------------------------------------------------------
+
+_AGE = re.compile(
+    r"(?i)(?:\b(?:aged?|age of|age:|turn(?:ed|s|ing)?|(?:he|she|i|they|you) (?:was|were|am|is)|"
+    r"i'm|i’m|he's|she's)[ \t]+(?:just[ \t]+)?(\d{1,3})\b(?![.,]\d|[ \t]*(?:%|percent|"
+    r"dollars|euros?|pounds|usd|eur|gbp|km|kg|lbs?|cm|mm|miles|minutes|mins|hours|hrs|days|"
+    r"weeks|months|items|times|pages|points|°|o'clock|am\b|pm\b|th\b|st\b|nd\b|rd\b|:))"
+    r"|\b(\d{1,3})(?:[ \t-]+(?:years?|yrs?)[ \t-]*(?:old|of age)\b|[ \t]*(?:y/o|yo)\b|"
+    r"-year-old\b))")
+
+
+class AgeRecognizer:
+    """A person's age: "aged 53", "at the age of 66", "turned 53", "a 22 year old", "i'm 40
+    y/o", "when he was 65." — a number with an age cue, never a bare number."""
+
+    name = "age"
+    entity_type = "AGE"
+
+    def find(self, text: str) -> Iterable[Span]:
+        if not any(ch.isdigit() for ch in text):
+            return
+        for m in _AGE.finditer(text):
+            group = 1 if m.group(1) is not None else 2
+            if 0 < int(m.group(group)) <= 125:
+                yield Span("AGE", m.start(group), m.end(group), 0.75, self.name)
+
+
+# --- street addresses ---------------------------------------------------------------------------
+
+_L = f"[{UP}{LO}]"
+_CAPW = rf"(?:[{UP}][{UP}{LO}'’.\-]*|\d+[A-Za-z]?)"
+# Street types written after the name ("Archwood Avenue", "Pentelis Str.")...
+_STREET_SUFFIX = (r"(?:Street|St|Str|Road|Rd|Avenue|Ave|Av|Boulevard|Blvd|Lane|Ln|Drive|Dr|Way|"
+                  r"Court|Ct|Place|Pl|Square|Sq|Terrace|Ter|Crescent|Cres|Close|Parkway|Pkwy|"
+                  r"Highway|Hwy|Circle|Cir|Trail|Trl|Turnpike|Tpke|Gateway|Route|Rte|Row|Walk|"
+                  r"Alley|Mews|Gardens|Grove|Hill|Park|Green|Quay|Wharf|Loop|Pike|Plaza|Point|"
+                  r"Ridge|View|Vista|Crossing|Expressway|Freeway|Causeway|Esplanade)\.?")
+# ... glued to it in Germanic, Nordic, Finnish, Dutch, Hungarian and Slavic names
+# ("Feldstrasse", "Koskikatu", "Hansinegata", "Breivangvegen", "Hoogstraat", "Erzsébet tér") ...
+_GLUED = (r"(?:stra(?:ss|ß)e|str\.|gasse|weg|allee|platz|ring|damm|ufer|chaussee|straat|laan|"
+          r"gracht|plein|kade|singel|dijk|gata|gatan|vägen|vagen|väg|vej|vei|veien|veg|vegen|"
+          r"stien|stigen|gade|torv|torget|plads|katu|tie|kuja|polku|kaari|tori|utca|út|tér|"
+          r"körút|ulica|ulice|cesta|trg|ova|ská|ská|skiego|tee|maantee|iela|gatvė|sokak|cadde)")
+# ... or before it in Romance and Slavic ones ("Via Roma", "ul. Słowicza", "Rue Hsine").
+_STREET_PREFIX = (r"(?:Via|Viale|Vicolo|Piazza|Piazzale|Corso|Largo|Strada|Calle|Carrer|Avenida|"
+                  r"Avinguda|Paseo|Passeig|Camino|Plaza|Pl\.|Ronda|Travesía|Rua|Rúa|Avda\.?|"
+                  r"Travessa|Praça|Largo|Rue|Boulevard|Bd|Bld|Chemin|Allée|Impasse|Quai|Place|"
+                  r"Route|ul\.|ulica|al\.|aleja|os\.|pl\.|Str\.|Strada|Odos|Odós|Leoforos)")
+_STREET = re.compile(
+    rf"(?:\b\d{{1,6}}[A-Za-z]?[ \t]+)?(?:"
+    rf"{_CAPW}(?:[ \t]+{_CAPW}){{0,3}}[ \t]+{_STREET_SUFFIX}(?![{LO}])"
+    rf"|[{UP}]{_L}*{_GLUED}\b\.?"
+    rf"|[{UP}]{_L}+[ \t]+{_GLUED}\b"
+    # "20789 Allika 46": a postcode or house number, a name, a house number
+    rf"|(?<=\d[ \t])[{UP}]{_L}+(?:[ \t]+[{UP}]{_L}+){{0,2}}(?=[ \t]+\d{{1,4}}[A-Za-z]?\b)"
+    rf"|\b{_STREET_PREFIX}[ \t]+(?:(?:de|del|de la|do|da|dos|das|di|della|du|des|la|le|"
+    rf"dei)[ \t]+)*{_CAPW}(?:[ \t]+{_CAPW}){{0,3}}"
+    rf")(?:[ \t]+\d{{1,5}}[A-Za-z]?\b\.?)?")
+_UNIT = re.compile(
+    r"(?i)\b(?:apt\.?|apartment|suite|ste\.?|unit|flat|floor|fl\.|room|rm\.?|bldg\.?|"
+    r"building)[ \t]*#?[ \t]*\d{1,5}[A-Za-z]?\b"
+    r"|\b(?:P\.?[ \t]?O\.?[ \t]?Box|PO Box|Box|Postfach|Apartado|Casilla)[ \t]+\d{1,6}\b"
+    r"|\b(?:APO|FPO|DPO)[ \t]+(?:AA|AE|AP)[ \t]+\d{5}\b"
+    r"|\bUS(?:NS|NV|S|CGC)[ \t]+[A-Z][a-z]+\b")
+_STATE_OR_CITY_LINE = re.compile(
+    rf"[ \t]*(?:[{UP}][{UP}{LO}'’.\-]*|\d{{3,6}}(?:[ \t-]?[A-Z]{{2}}|[ \t]\d{{2,3}})?|nan)"
+    rf"(?:[ \t]+(?:[{UP}][{UP}{LO}'’.\-]*|\d{{3,6}}(?:[ \t]?[A-Z]{{2}})?|nan|de|del|am|an|"
+    rf"der|sur|upon|on|la|le)){{0,4}}[ \t]*")
+_ZIP_CONTEXT = re.compile(
+    r"(?i)\b(?:zip(?:[ \t]?code)?|postal[ \t]?code|post[ \t]?code|postcode|plz|cap|cp)"
+    r"\b[^\n\d]{0,12}?(\d{3,6}(?:[ \t-]?[A-Z]{2}|[ \t-]\d{2,4})?)\b")
+_BLOCK_STOP = re.compile(r"(?i)^(?:phone|tel|mobile|fax|email|e-mail|website|web|dear|hi|"
+                         r"hello|thanks|regards|note|nan\S)")
+
+
+class AddressRecognizer:
+    """Street addresses, multilingual: a street (number + name + street type, a Germanic or
+    Nordic glued name + number, a Romance "Via/Rue/Calle ..." name), flat/suite/PO-box/military
+    lines, and the city / region / postcode / country lines that follow the street in an address
+    block — the whole block is one STREET_ADDRESS. Postcodes with a cue ("ZIP: 6280") alone."""
+
+    name = "street_address"
+    entity_type = "STREET_ADDRESS"
+
+    def find(self, text: str) -> Iterable[Span]:
+        spans: list[tuple[int, int]] = []
+        for rx in (_STREET, _UNIT):
+            for m in rx.finditer(text):
+                value = m.group(0)
+                if rx is _STREET and not self._plausible_street(value):
+                    continue
+                spans.append((m.start(), m.end()))
+        spans.sort()
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and start <= self._extend(text, merged[-1][1], limit=1, probe=True):
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            end = self._extend(text, end, limit=4)
+            yield Span("STREET_ADDRESS", start, end, 0.7, self.name)
+        for m in _ZIP_CONTEXT.finditer(text):
+            yield Span("STREET_ADDRESS", m.start(1), m.end(1), 0.7, "postcode")
+
+    @staticmethod
+    def _plausible_street(value: str) -> bool:
+        words = value.split()
+        # "The Street", "Main Road" alone are common phrases: a street needs a number, or a
+        # glued/prefixed form of two or more words.
+        has_number = any(w[0].isdigit() for w in words)
+        if not has_number and len(words) < 2:
+            return False
+        if any(w.casefold() in AGENT_VOCAB for w in words):
+            return False
+        return has_number or len(words) >= 2
+
+    @staticmethod
+    def _extend(text: str, end: int, limit: int, probe: bool = False) -> int:
+        """Take the short lines or comma-separated parts after a street: unit, city, region,
+        postcode, country. Stops at a blank line, a sentence or a labelled field."""
+        pos = end
+        for _ in range(limit):
+            m = re.match(r"[ \t]*(?:,[ \t]*\n?|\n)(?:[ \t]*[>?]+)*[ \t]*(?:,[ \t]*)?|[ \t]+",
+                         text[pos:])
+            if m is None or not m.group(0):
+                break
+            seg_start = pos + m.end()
+            if _BLOCK_STOP.match(text[seg_start:]):
+                break
+            u = _UNIT.match(text, seg_start)
+            line = u or _STATE_OR_CITY_LINE.match(text, seg_start)
+            if line is None or line.end() == seg_start:
+                break
+            seg_end = line.end()
+            after = text[seg_end:seg_end + 1]
+            # A part of an address block ends the line or a comma-separated part.
+            if after not in ("", "\n", ",", ".", ";", ")", "\r") and not u:
+                break
+            if probe:
+                return seg_start
+            pos = len(text[:seg_end].rstrip(" \t"))
+        return pos if not probe else end + 3
+
+
+NER = NerRecognizer()
+SECRETS = SecretsRecognizer()
+AGE = AgeRecognizer()
+ADDRESS = AddressRecognizer()
+EXTRA_RECOGNIZERS: tuple = (AGE, ADDRESS)
