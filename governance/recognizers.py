@@ -210,7 +210,9 @@ def _card(text: str, m: re.Match[str]) -> float | None:
     # Discover, Maestro, UnionPay) and a Luhn check digit (python-stdnum).
     from stdnum import luhn
 
-    if not 12 <= len(digits) <= 19 or digits[0] not in "23456" or not luhn.is_valid(digits):
+    jcb15 = len(digits) == 15 and digits.startswith(("1800", "2131"))
+    if not 12 <= len(digits) <= 19 or (digits[0] not in "23456" and not jcb15) \
+            or not luhn.is_valid(digits):
         return None
     if len(digits) == 12 and not digits.startswith(("50", "56", "57", "58", "6")):
         return None
@@ -380,8 +382,9 @@ PATTERNS: tuple[PatternRecognizer, ...] = (
 PHONE_REGIONS = ("US", "GB", "DE", "FR", "IN", "BR", "AU", "JP", "ES", "IT", "NL", "CA", "MX",
                  "CN", "IE", "CH")
 _PHONE_CANDIDATE = re.compile(
-    r"(?<![\w#/$€£.,:+-])(?:\+|00)?\(?\d[\d ().\-/]{5,22}\d"
-    r"(?:\s?(?:x|ext\.?|extension)\s?\d{1,6})?(?![\w/:-]|\.\d|,\d)")
+    r"(?:(?<=[,:])\+|(?<![\w#/$€£.,:+-])(?:\+|00)?)\(?\d[\d ().\-/]{5,22}\d"
+    # (a label glued after the number, "082 490 1693-Office", is not part of it)
+    r"(?:\s?(?:x|ext\.?|extension)\s?\d{1,6})?(?![\w/:]|-\d|\.\d|,\d)")
 _EPOCH = re.compile(r"1[5-9]\d{8}|1[5-9]\d{11}")
 _DATE_LIKE = re.compile(r"\d{4}[-/.]\d{1,2}[-/.]\d{1,2}|\d{1,2}[-/.]\d{1,2}[-/.]\d{4}")
 
@@ -411,8 +414,9 @@ class PhoneRecognizer:
         if _DATE_LIKE.search(main):
             return None
         if re.fullmatch(r"\d+(?:\.\d+)+", main) and any(
-                len(g) <= 2 for g in main.split(".")):
-            return None  # dotted version / build number (10.0.19045.2965)
+                len(g) <= 2 for g in main.split(".")) and not re.fullmatch(
+                r"0\d(?:\.\d\d){4}", main):
+            return None  # dotted version / build number (10.0.19045.2965), not 01.84.17.61.18
         context = bool(_PHONE_CONTEXT.search(_same_sentence_before(text, start)))
         international = main.startswith(("+", "00"))
         separated = bool(re.search(r"[ ().\-/]", main))
@@ -780,11 +784,19 @@ class NerRecognizer:
         return self._countries
 
     def find(self, text: str, nlp_artifacts) -> Iterable[Span]:
+        from governance.sanitizer.names import reclassify_as_person
+
         for ent in nlp_artifacts.tokens.ents:
             etype = _NER_LABELS.get(ent.label_)
+            value = ent.text
+            # Known names the model labelled otherwise (or wrote in lower case): a person.
+            if (etype != "PERSON" or not plausible_person(value)) and reclassify_as_person(
+                    ent.label_, value.removesuffix("'s").removesuffix("’s")):
+                end = ent.end_char - (2 if value.endswith(("'s", "’s")) else 0)
+                yield Span("PERSON", ent.start_char, end, 0.7, "spacy_ner+gazetteer")
+                continue
             if etype is None:
                 continue
-            value = ent.text
             if etype == "PERSON" and not plausible_person(value):
                 continue
             if etype != "PERSON" and value.casefold() in AGENT_VOCAB:

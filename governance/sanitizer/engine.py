@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from governance import recognizers as R
+from governance.sanitizer import names
 
 # Presidio's predefined recognizers we use as they are (the others are replaced by Steward's
 # stricter ones: cards, phones, e-mail, IBAN, IP, SSN, NHS, spaCy; UUID and MAC are not about a
@@ -110,6 +111,7 @@ class StewardAnalyzer:
         for rec in R.EXTRA_RECOGNIZERS:
             registry.add_recognizer(_Adapter.make(rec, [rec.entity_type]))
         registry.add_recognizer(_Adapter.make(R.NAME_CONTEXT, ["PERSON"], needs_ner=True))
+        registry.add_recognizer(_Adapter.make(names.GAZETTEER_NAMES, ["PERSON"], needs_ner=True))
         registry.add_recognizer(_Adapter.make(R.NER, sorted(NER_ENTITIES | {"COUNTRY"}),
                                               needs_ner=True, pass_artifacts=True))
         self.analyzer = AnalyzerEngine(registry=registry, nlp_engine=self.nlp_engine,
