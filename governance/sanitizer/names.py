@@ -89,8 +89,8 @@ def all_names(value: str, need_first: bool = True) -> bool:
 
 _W = rf"[{R.UP}][{R.LO}'’]+(?:-[{R.UP}][{R.LO}'’]+)?"
 _FIRST_LAST = re.compile(
-    rf"(?<![\w@.])({_W}(?:[ \t]+[{R.UP}]\.?)?(?:[ \t]+(?:van|von|de|da|di|del|der|ten|le|la)){{0,2}}"
-    rf"[ \t]+{_W})(?![\w@])")
+    rf"(?<![\w@.])({_W}(?:[ \t]+[{R.UP}]\.?)?"
+    rf"(?:[ \t]+(?:van|von|de|da|di|del|der|ten|le|la)){{0,2}}[ \t]+{_W})(?![\w@])")
 _LIST = re.compile(rf"(?<![\w@.])({_W}(?:[ \t]+{_W})?)(?=[ \t]*(?:,|[ \t]and[ \t]|[ \t]&[ \t]))"
                    rf"|(?<=[ \t]and[ \t])({_W}(?:[ \t]+{_W})?)(?![\w@])")
 _SPEAKER = re.compile(rf"(?m)^[ \t]*({_W})[ \t]*:(?=[ \t]*\S)")
@@ -152,8 +152,9 @@ def reclassify_as_person(label: str, value: str) -> bool:
 
 
 def build(top_rank: int = TOP_RANK) -> None:  # pragma: no cover - a maintainer's tool
-    import names_dataset  # noqa: F401 - only to find its data files
     import pickle
+
+    import names_dataset  # noqa: F401 - only to find its data files
 
     root = Path(names_dataset.__file__).parent / "v3"
     for kind in ("first", "last"):
