@@ -36,7 +36,6 @@ _FUNCTION_PARENTS = frozenset({"function", "function_call", "custom", "tool", "m
                                "custom_tool_call"})
 
 _PROSE = re.compile(r"[A-Za-z][a-z]+[\s,.;:!?]+\S")
-_UPPER = re.compile(r"[A-Z]")
 _NAME_SHAPE = re.compile(
     rf"[{R.UP}][{R.UP}{R.LO}'’\-]*(?:[ \t]+[{R.UP}{R.LO}][{R.UP}{R.LO}'’.\-]*){{0,4}}")
 
@@ -200,7 +199,8 @@ def _text_mode(value: str, unknown: bool = False) -> str:
     if " " not in value and "\n" not in value:
         # One token: an id, an enum, a URL, a single word — patterns only, no NER.
         return "regex"
-    # NER only where a name could be: prose with at least one capital letter.
-    return "full" if _PROSE.search(value) and _UPPER.search(value) else "regex"
+    # NER where a name could be: prose, lower-case prose too ("follow up with patricia
+    # desrosiers" is a name the gazetteer rules find).
+    return "full" if _PROSE.search(value) else "regex"
 
 
