@@ -636,6 +636,9 @@ _RANDOM_TOKEN = re.compile(r"(?<![\w+/=~.\-])[A-Za-z0-9][A-Za-z0-9_+/=~.\-|]{19,
 _HEX_ONLY = re.compile(r"[0-9a-fA-F\-]+")
 
 
+_IDENTIFIER_PARTS = re.compile(r"[A-Z][a-z]{3,}|(?<![A-Za-z])[A-Z]{2,}(?![A-Za-z])")
+
+
 def random_token(value: str) -> bool:
     if _HEX_ONLY.fullmatch(value) or value.count("/") > 3 or value.count(".") > 3:
         return False  # digests, uuids, paths, dotted names
@@ -643,6 +646,9 @@ def random_token(value: str) -> bool:
                    any(c.isdigit() for c in value)))
     if classes < 2 or (classes == 2 and len(value) < 30):
         return False
+    if not any(c.isdigit() for c in value) and sum(
+            len(w) for w in _IDENTIFIER_PARTS.findall(value)) >= 0.6 * len(value):
+        return False  # a CamelCase or UPPER_CASE identifier, not a random token
     return _entropy(value) >= (3.8 if classes == 3 else 4.2)
 
 
@@ -665,8 +671,9 @@ def secret_like(value: str, password_key: bool = False) -> bool:
         return len(value) >= 4
     if len(value) < 8:
         return False
-    if re.fullmatch(r"[a-z]+(?:[_\-.][a-z]+)*", value) or re.fullmatch(r"[A-Z][a-z]+", value):
-        return False  # identifiers and words: "read_only", "session-cookie"
+    if re.fullmatch(r"[a-z]+(?:[_\-.][a-z]+)*", value) or re.fullmatch(r"[A-Z][a-z]+", value) \
+            or re.fullmatch(r"[A-Z]+(?:_[A-Z]+)+", value):
+        return False  # identifiers, words, env-var names: "read_only", "YOUR_API_TOKEN"
     if re.fullmatch(r"[\w.\-]+\.(?:py|js|ts|json|yaml|yml|txt|md|html|env|cfg|ini|toml)", value):
         return False  # a file name
     has_digit = any(c.isdigit() for c in value)
@@ -744,6 +751,11 @@ class SecretsRecognizer:
                 if not isinstance(value, str) or len(value) < 6:
                     continue
                 if not vendor and not secret_like(value):
+                    continue
+                # The entropy plugins leave their threshold to the caller (detect-secrets
+                # applies it in analyze_line).
+                limit = getattr(plugin, "entropy_limit", None)
+                if limit is not None and plugin.calculate_shannon_entropy(value) < limit:
                     continue
                 for vm in re.finditer(re.escape(value), text):
                     yield from span(vm.start(), vm.end(), 0.9 if vendor else 0.7,
@@ -958,8 +970,63 @@ class AddressRecognizer:
         return pos if not probe else end + 3
 
 
+# --- places the model misses ---------------------------------------------------------------------
+
+_PLACE_WORD = rf"(?:[{UP}][{UP}{LO}'’\-]+|[{UP}]{{2,}}[{UP}'’\-]*)"
+_PLACE_RUN = (rf"{_PLACE_WORD}(?:[ \t]+(?:de|del|la|le|am|an|der|sur|upon|on|di)?[ \t]*"
+              rf"{_PLACE_WORD}){{0,3}}")
+# Phrases that are followed by a place in any English text.
+_PLACE_CUE = re.compile(
+    r"(?i:\b(?:grew up in|born in|based in|lives? in|living in|moved to|moving to|"
+    r"originally from|returned to|arrived (?:at|in)|flew to|flying to|travel(?:l)?ing to|"
+    r"relocat(?:ed|ing) to|headquartered in|i'?m in|i am in|we are in|located in|resident of|"
+    r"university of|city of|town of|village of|home (?:city|town))[ \t]+)"
+    rf"({_PLACE_RUN})")
+# An ALL-CAPS word after a locative preposition ("returned to LYCKSELE"): a place, unless it
+# is agent vocabulary (in JSON, to PROD, at UTC).
+_CAPS_AFTER_PREP = re.compile(
+    rf"(?i:\b(?:in|at|to|from|near|of)[ \t]+)([{UP}]{{4,}}(?:[ \t]+[{UP}]{{3,}}){{0,2}})"
+    rf"(?![{UP}{LO}\d_])")
+_NOT_PLACES = frozenset(w.casefold() for w in """
+UTC GMT PROD PRODUCTION STAGING DEV TEST TODO README NOTE WARN WARNING ERROR INFO DEBUG
+TRUE FALSE NULL NONE NAN EUR USD GBP JPY CHF CAD AUD INR ASAP ACME FIXME HTTP HTTPS
+""".split())
+
+
+class PlaceCueRecognizer:
+    """Cities and regions the model misses (all-caps, or unfamiliar): a capitalised run after a
+    phrase that introduces a place ("grew up in", "originally from", "University of") or an
+    all-caps word after a locative preposition."""
+
+    name = "place_cue"
+    entity_type = "LOCATION"
+
+    def __init__(self) -> None:
+        self._countries: frozenset[str] | None = None
+
+    def find(self, text: str) -> Iterable[Span]:
+        if self._countries is None:
+            self._countries = country_names()
+        for rx, score in ((_PLACE_CUE, 0.6), (_CAPS_AFTER_PREP, 0.55)):
+            for m in rx.finditer(text):
+                words = m.group(1).split()
+                while words and (words[-1].casefold() in AGENT_VOCAB
+                                 or words[-1].casefold() in ORG_WORDS
+                                 or words[-1].casefold() in _NOT_PLACES):
+                    words.pop()
+                if not words or any(w.casefold() in AGENT_VOCAB or w.casefold() in _NOT_PLACES
+                                    for w in words):
+                    continue
+                value = " ".join(words)
+                if value.casefold() in self._countries:
+                    continue  # a country alone: NER's COUNTRY, kept
+                end = m.start(1) + len(value) if m.group(1).startswith(value) else m.end(1)
+                yield Span("LOCATION", m.start(1), end, score, self.name)
+
+
 NER = NerRecognizer()
 SECRETS = SecretsRecognizer()
+PLACES = PlaceCueRecognizer()
 AGE = AgeRecognizer()
 ADDRESS = AddressRecognizer()
-EXTRA_RECOGNIZERS: tuple = (AGE, ADDRESS)
+EXTRA_RECOGNIZERS: tuple = (AGE, ADDRESS, PLACES)
