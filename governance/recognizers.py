@@ -32,6 +32,8 @@ IDENTIFIER_TYPES = frozenset({
     "US_SSN", "UK_NINO", "UK_NHS", "IN_PAN", "IN_AADHAAR", "SUBJECT_ID",
     # Presidio's own government and financial ids
     "US_DRIVER_LICENSE", "US_PASSPORT", "US_ITIN", "US_BANK_NUMBER", "MEDICAL_LICENSE", "CRYPTO",
+    # ids the text names (NamedIdRecognizer)
+    "PASSPORT", "ACCOUNT_NUMBER", "ID_NUMBER",
 })
 NER_TYPES = frozenset({"PERSON", "LOCATION", "ORGANIZATION"})
 
@@ -1024,9 +1026,39 @@ class PlaceCueRecognizer:
                 yield Span("LOCATION", m.start(1), end, score, self.name)
 
 
+# --- government and account ids named in the text -----------------------------------------------
+
+_ID_CUE = re.compile(
+    r"(?i)\b(driver'?s?[ \t]+licen[cs]e|driving[ \t]+licen[cs]e|licen[cs]e[ \t]+(?:number|no)|"
+    r"passport|national[ \t]+id|identity[ \t]+(?:card|number)|id[ \t]+(?:card|number)|"
+    r"tax[ \t]+(?:id|number)|social[ \t]+insurance|personalausweis|dni|nie|nif|cpf|"
+    r"bsn|pesel|codice[ \t]+fiscale|member(?:ship)?[ \t]+(?:id|number)|policy[ \t]+number|"
+    r"account[ \t]+(?:number|no))\b"
+    r"[^\n\d]{0,24}?\b((?=[A-Z\-]*\d)[A-Z0-9](?:[A-Z0-9\-]{3,22})[A-Z0-9])\b")
+_ID_TYPES = {"driver": "US_DRIVER_LICENSE", "driving": "US_DRIVER_LICENSE",
+             "passport": "PASSPORT", "account": "ACCOUNT_NUMBER"}
+
+
+class NamedIdRecognizer:
+    """An id the text names: "my driver's license number is 2270-66-1551", "passport
+    X1234567", "policy number 88-1234" — a token with digits right after the cue."""
+
+    name = "named_id"
+    entity_type = "ID_NUMBER"
+
+    def find(self, text: str) -> Iterable[Span]:
+        for m in _ID_CUE.finditer(text):
+            value = m.group(2)
+            if sum(c.isdigit() for c in value) < 4:
+                continue
+            etype = _ID_TYPES.get(m.group(1).split()[0].casefold().rstrip("'s"), "ID_NUMBER")
+            yield Span(etype, m.start(2), m.end(2), 0.8, self.name)
+
+
 NER = NerRecognizer()
 SECRETS = SecretsRecognizer()
+NAMED_IDS = NamedIdRecognizer()
 PLACES = PlaceCueRecognizer()
 AGE = AgeRecognizer()
 ADDRESS = AddressRecognizer()
-EXTRA_RECOGNIZERS: tuple = (AGE, ADDRESS, PLACES)
+EXTRA_RECOGNIZERS: tuple = (AGE, ADDRESS, PLACES, NAMED_IDS)
