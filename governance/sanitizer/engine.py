@@ -13,6 +13,7 @@ ITINs, bank numbers, crypto wallets), spaCy once per batch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,6 +86,26 @@ class _Adapter:
                        supported_language="en", context=context)
 
 
+# What a string must contain for one of Presidio's recognizers to find anything in it: every
+# pattern of theirs we use needs a digit, except URLs (a dot) — most agent strings have neither.
+_PRESIDIO_HINTS = {"UrlRecognizer": re.compile(r"\.[A-Za-z]|://")}
+_DIGIT = re.compile(r"\d")
+
+
+def _prefilter(recognizer) -> None:
+    """Skip a Presidio recognizer on strings it cannot match (its patterns run on every string
+    otherwise); the recognizer, its id and its context words stay as Presidio built them."""
+    hint = _PRESIDIO_HINTS.get(recognizer.name, _DIGIT)
+    analyze = recognizer.analyze
+
+    def filtered(text, entities, nlp_artifacts=None, *args, **kwargs):
+        if hint.search(text) is None:
+            return []
+        return analyze(text, entities, nlp_artifacts, *args, **kwargs)
+
+    recognizer.analyze = filtered
+
+
 def _has_ner(artifacts) -> bool:
     # A tokenizer-only doc (strings that skip NER) has no entity annotation at all.
     return bool(artifacts.tokens.has_annotation("ENT_IOB"))
@@ -104,6 +125,8 @@ class StewardAnalyzer:
         registry.load_predefined_recognizers(languages=["en"], nlp_engine=self.nlp_engine)
         registry.recognizers = [r for r in registry.recognizers
                                 if r.name in PRESIDIO_RECOGNIZERS]
+        for rec in registry.recognizers:
+            _prefilter(rec)
         for rec in R.PATTERNS:
             registry.add_recognizer(_Adapter.make(rec, [rec.entity_type]))
         registry.add_recognizer(_Adapter.make(R.PHONE, ["PHONE_NUMBER"]))
