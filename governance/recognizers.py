@@ -1,10 +1,9 @@
 """Steward's PII and secret recognizers for agent traffic.
 
-Each recognizer is a compiled pattern plus a validator (checksum, context, false-positive rules)
-and returns `Span`s. They are plain Python on purpose: the sanitizer runs every one of them on
-every string of a batch, and Presidio's generic `analyze()` bookkeeping (context enhancement from
-lemmas, per-call recognizer filtering) costs more than the regexes themselves. `as_presidio()`
-wraps any of them as a Presidio `EntityRecognizer` so a Presidio `AnalyzerEngine` can use them too.
+Each recognizer has `find(text) -> Span`s: a compiled pattern plus a validator (checksum via
+python-stdnum, phonenumbers, context, false-positive rules), or a library's detectors
+(detect-secrets). `governance/sanitizer/engine.py` registers every one of them as a Presidio
+recognizer in the AnalyzerEngine the sanitizer detects with.
 
 False-positive rules live here, next to the patterns they restrict: order/SKU/ticket ids,
 version strings, commit shas, dates and prices are never phone numbers, cards or people.
@@ -48,27 +47,6 @@ class Span:
 
 
 # --- validators --------------------------------------------------------------------------------
-
-def luhn_ok(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = ord(ch) - 48
-        if i % 2:
-            d *= 2
-            if d > 9:
-                d -= 9
-        total += d
-    return total % 10 == 0
-
-
-def iban_ok(iban: str) -> bool:
-    iban = iban.replace(" ", "").upper()
-    if not 15 <= len(iban) <= 34 or not iban[:2].isalpha() or not iban[2:4].isdigit():
-        return False
-    rearranged = iban[4:] + iban[:4]
-    num = "".join(str(int(c, 36)) for c in rearranged)
-    return int(num) % 97 == 1
-
 
 _VERHOEFF_D = [
     [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 6, 7, 8, 9, 5],
@@ -295,13 +273,6 @@ def _aadhaar(text: str, m: re.Match[str]) -> float | None:
 
 def _jwt(text: str, m: re.Match[str]) -> float | None:
     return 0.95
-
-
-def _secret_assignment(text: str, m: re.Match[str]) -> float | None:
-    value = m.group(1)
-    if value.startswith("<") or value.lower() in {"none", "null", "true", "false", "required"}:
-        return None
-    return 0.8
 
 
 PATTERNS: tuple[PatternRecognizer, ...] = (
@@ -561,7 +532,6 @@ def plausible_person(text: str) -> bool:
 
 PHONE = PhoneRecognizer()
 NAME_CONTEXT = NameContextRecognizer()
-REGEX_RECOGNIZERS: tuple = (*PATTERNS, PHONE)
 
 # Keys (in tool arguments, tool results, metadata) whose string values are wholly one entity.
 PERSON_KEYS = re.compile(
@@ -574,23 +544,6 @@ SECRET_KEYS = re.compile(
     r"(?i)(?:^|[_\-])(?:password|passwd|pwd|passphrase|secret|api[_\-]?key|apikey|token|"
     r"access[_\-]?key|private[_\-]?key|client[_\-]?secret|credentials?|authorization|cookie|"
     r"session[_\-]?id)$")
-
-
-def as_presidio(recognizer, supported_language: str = "en"):
-    """Wrap one of our recognizers as a Presidio EntityRecognizer (for AnalyzerEngine users)."""
-    from presidio_analyzer import EntityRecognizer, RecognizerResult
-
-    class _Adapter(EntityRecognizer):
-        def load(self) -> None:
-            pass
-
-        def analyze(self, text, entities, nlp_artifacts=None):
-            return [RecognizerResult(s.entity_type, s.start, s.end, s.score)
-                    for s in recognizer.find(text) if not entities or s.entity_type in entities]
-
-    entity = getattr(recognizer, "entity_type", "PII")
-    return _Adapter(supported_entities=[entity], name=f"steward_{recognizer.name}",
-                    supported_language=supported_language)
 
 
 def offline_tldextract() -> None:

@@ -57,25 +57,9 @@ def load_nlp(ner_only: bool = True):
     return spacy.load(spacy_model_path())
 
 
-class StewardNlpEngine:
-    """A Presidio `SpacyNlpEngine` over our already-loaded pipeline (for AnalyzerEngine users:
-    see `Sanitizer.presidio_analyzer()`)."""
-
-    def __new__(cls, nlp):
-        from presidio_analyzer.nlp_engine import SpacyNlpEngine
-
-        class _Engine(SpacyNlpEngine):
-            def load(self) -> None:  # never downloads: the pipeline is injected
-                self.nlp = {"en": nlp}
-
-        engine = _Engine(models=[{"lang_code": "en", "model_name": str(spacy_model_path())}])
-        engine.load()
-        return engine
-
-
-# Not ORG: the small model calls many unfamiliar person names organisations, and a leaked
-# name costs more than a product name turned into a placeholder.
-# (nor NORP: unfamiliar first names come out as nationalities).
+# Model labels whose span makes a weak name guess lose ("Ask Stack Overflow"). Not ORG: the
+# small model calls many unfamiliar person names organisations (nor NORP: unfamiliar first
+# names come out as nationalities).
 _NOT_A_PERSON = frozenset({"FAC", "PRODUCT", "WORK_OF_ART", "EVENT", "LAW", "LANGUAGE"})
 _NER_TYPES = frozenset({"LOCATION", "COUNTRY", "ORGANIZATION"})
 _BIRTH_CUE = re.compile(r"(?i)\b(?:born|birth|birthday|d\.?o\.?b\.?|geboren|née?|nacido|nato)\b")
