@@ -540,6 +540,34 @@ PERSON_KEYS = re.compile(
     r"[_\- ]?name|name|fullname|firstname|lastname|surname|customer|contact|recipient|sender|"
     r"assignee|reporter|author|owner|patient|employee|passenger|cardholder|account_holder|"
     r"beneficiary|payee|payer|signatory|to_name|from_name)$")
+# Keys whose value is wholly one entity of another kind ({"dob": "1961-03-14"}).
+KEYED_ENTITIES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"(?i)^(?:(?:customer|patient|user|person|client)_)?age(?:_years)?$"), "AGE"),
+    (re.compile(r"(?i)^(?:dob|d_o_b|date_of_birth|birth_?date|birth_?day|born(?:_on)?)$"),
+     "DATE_OF_BIRTH"),
+    (re.compile(r"(?i)^(?:(?:home|street|postal|mailing|billing|shipping|residential|"
+                r"delivery|customer)_)?address(?:_?line)?(?:_?\d)?$|^street(?:_address)?$"),
+     "STREET_ADDRESS"),
+    (re.compile(r"(?i)^(?:zip|zip_?code|post_?code|postal_?code|plz)$"), "STREET_ADDRESS"),
+    (re.compile(r"(?i)^(?:city|town|village|municipality|district|county|province)$"),
+     "LOCATION"),
+)
+
+
+def key_words(key: str) -> str:
+    """A JSON key in snake case whatever its convention: refreshToken -> refresh_Token,
+    date-of-birth -> date_of_birth (the key rules match case-insensitively)."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key).replace("-", "_").replace(" ", "_")
+
+
+def keyed_entity(key: str) -> str | None:
+    words = key_words(key)
+    for rx, etype in KEYED_ENTITIES:
+        if rx.match(words):
+            return etype
+    return None
+
+
 SECRET_KEYS = re.compile(
     r"(?i)(?:^|[_\-])(?:password|passwd|pwd|passphrase|secret|api[_\-]?key|apikey|token|"
     r"access[_\-]?key|private[_\-]?key|client[_\-]?secret|credentials?|authorization|cookie|"

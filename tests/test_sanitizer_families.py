@@ -163,6 +163,22 @@ def test_gitleaks_positive_cases(sanitizer):
 
 # --- property: planted values of every family never survive, in any placement --------------------
 
+@pytest.mark.parametrize(("key", "value"), [
+    ("dob", "1961-03-14"), ("dateOfBirth", "14/03/1961"), ("age", "47"),
+    ("shipping_address", "12 Rue de la Paix"), ("addressLine1", "Feldstrasse 42"),
+    ("postalCode", "8004"), ("city", "Mogyorósbánya"), ("refreshToken", "abcDEF123ghiJKL"),
+    ("firstName", "Zofia"), ("customer_name", "Ana Ruiz"),
+])
+def test_key_aware_fields(sanitizer, key, value):
+    body = {"model": "m", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "update", "arguments": json.dumps({key: value, "id": 7})}}]}]}
+    result = sanitizer.sanitize_bodies([("request", body)])[0]
+    args = json.loads(result.body["messages"][0]["tool_calls"][0]["function"]["arguments"])
+    assert args[key] != value and args["id"] == 7
+
+
 PLANTS = {
     "EMAIL_ADDRESS": ("write to {v} now", "zq.canary.7731@example.org"),
     "PHONE_NUMBER": ("call {v} today", "+44 20 7946 0958"),
@@ -184,7 +200,13 @@ placement = st.sampled_from(["user", "system", "tool_arg_value", "tool_arg_note"
                              "tool_result_json", "response"])
 
 
-def _planted_body(how: str, sentence: str, value: str) -> tuple[str, dict]:
+# Families that only a cue identifies go into tool arguments under a key that names them (a bare
+# {"value": "73"} is no age); the others stand alone there.
+VALUE_KEYS = {"AGE": "age", "DATE_OF_BIRTH": "dateOfBirth", "STREET_ADDRESS": "address",
+              "PERSON": "full_name"}
+
+
+def _planted_body(how: str, sentence: str, value: str, key: str = "value") -> tuple[str, dict]:
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     body: dict = {"model": "m", "messages": [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -196,7 +218,7 @@ def _planted_body(how: str, sentence: str, value: str) -> tuple[str, dict]:
     elif how == "system":
         body["messages"][0]["content"] = sentence
     elif how == "tool_arg_value":
-        call["function"]["arguments"] = json.dumps({"value": value, "n": 3})
+        call["function"]["arguments"] = json.dumps({key: value, "n": 3})
     elif how == "tool_arg_note":
         call["function"]["arguments"] = json.dumps({"note": sentence, "list": [sentence, 1]})
     elif how == "tool_result":
@@ -216,7 +238,7 @@ def _planted_body(how: str, sentence: str, value: str) -> tuple[str, dict]:
 def test_planted_value_never_survives(sanitizer, family, before, after, how):
     template, value = PLANTS[family]
     sentence = f"{before} {template.format(v=value)} {after}".strip()
-    kind, body = _planted_body(how, sentence, value)
+    kind, body = _planted_body(how, sentence, value, VALUE_KEYS.get(family, "value"))
     result = sanitizer.sanitize_bodies([(kind, body)])[0]
     dumped = json.dumps(result.body, ensure_ascii=False)
     assert value not in dumped and value not in json.dumps(result.body)

@@ -184,6 +184,14 @@ class Sanitizer:
                         "none", "null", "true", "false", "redacted", "***"}:
                     slot.spans.append(R.Span("SECRET", 0, len(text), 0.9, "secret_key"))
                 continue
+            if slot.mode.startswith("keyed:"):
+                # The key says what the whole value is ({"dob": ...}, {"city": ...}).
+                stripped = text.strip()
+                if len(stripped) >= 2 and not R.protected_spans(text):
+                    lead = len(text) - len(text.lstrip())
+                    slot.spans.append(R.Span(slot.mode.split(":", 1)[1], lead,
+                                             lead + len(stripped), 0.85, "keyed_field"))
+                continue
             if slot.mode == "subject":
                 if not R.protected_spans(text):
                     slot.spans.append(R.Span("SUBJECT_ID", 0, len(text), 1.0, "subject_field"))
@@ -235,7 +243,8 @@ class Sanitizer:
                     st.add_person_aliases(_normalize_case(value), label, policy.secret)
         for slot in slots:
             st = states[slot.item]
-            if not st.aliases or slot.mode in ("skip", "secret", "subject"):
+            if not st.aliases or slot.mode in ("skip", "secret", "subject") \
+                    or slot.mode.startswith("keyed:"):
                 continue
             extra = []
             for m in _CAP_SEQ.finditer(slot.text):

@@ -157,10 +157,14 @@ class _Walker:
         self._add(container, key, value, _text_mode(value, unknown=True), spath, svp, emb)
 
     def _structured_string(self, container, key, value, spath, svp, emb, name: str) -> None:
-        if R.SECRET_KEYS.search(name or ""):
+        words = R.key_words(name) if name else ""
+        keyed = R.keyed_entity(name) if name else None
+        if R.SECRET_KEYS.search(words):
             self._add(container, key, value, "secret", spath, svp, emb)
-        elif name and R.PERSON_KEYS.match(name):
+        elif name and R.PERSON_KEYS.match(words):
             self._add(container, key, value, "name", spath, svp, emb)
+        elif keyed is not None:
+            self._add(container, key, value, f"keyed:{keyed}", spath, svp, emb)
         elif name in SUBJECT_KEYS:
             self._add(container, key, value, "subject", spath, svp, emb)
         elif name in BINARY_KEYS and _looks_binary(value):
