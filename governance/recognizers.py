@@ -321,7 +321,10 @@ PATTERNS: tuple[PatternRecognizer, ...] = (
                          r"\.[A-Za-z]{2,24}\b"),
                       0.95, hint=_c("@")),
     PatternRecognizer("iban", "IBAN_CODE",
-                      _c(r"(?i)\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b"),
+                      # upper or lower case, never mixed: a lower-case word after an
+                      # upper-case IBAN must not extend the match past its check digits
+                      _c(r"\b(?:[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?"
+                         r"|[a-z]{2}\d{2}(?: ?[a-z0-9]{4}){2,7}(?: ?[a-z0-9]{1,3})?)\b"),
                       0.95, validate=_iban, hint=_c(r"(?i)[A-Z]{2}\d\d")),
     PatternRecognizer("credit_card", "CREDIT_CARD",
                       _c(r"(?<![\w.,$€£-])(?:\d[ -]?){11,18}\d(?![\w-])"),
