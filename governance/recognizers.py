@@ -799,6 +799,9 @@ class NerRecognizer:
                 continue
             if etype != "PERSON" and value.casefold() in AGENT_VOCAB:
                 continue  # "IBAN" is not an organisation
+            if etype == "LOCATION" and (any(c.isdigit() for c in value)
+                                        or BENIGN_TOKEN.fullmatch(value)):
+                continue  # "INC4075079", "BUG-53404": ticket ids, not places
             start, end = ent.start_char, ent.end_char
             if value.endswith(("'s", "’s")):
                 end -= 2

@@ -100,6 +100,9 @@ LIBRARY_NEGATIVES = [
     ("COUNTRY", "We ship to Canada and Norway.", "Canada"),
     ("AGE", "Add 53 items to the cart.", "53"),
     ("STREET_ADDRESS", "Take the main road to the station.", "main road"),
+    # ticket and tracking ids are neither places nor Presidio's medical licences
+    ("LOCATION", "see INC4075079 and BUG-53404", "INC4075079"),
+    ("MEDICAL_LICENSE", "tracking TRK4847666515 shipped", "TRK4847666515"),
 ]
 
 

@@ -161,6 +161,12 @@ class StewardAnalyzer:
             if r.entity_type == "ORGANIZATION" and not organizations:
                 continue
             meta = r.recognition_metadata or {}
+            # Presidio's patterns have no word boundaries: "RK4847666" inside the tracking
+            # number TRK4847666515 is no medical licence. An id is a whole token.
+            if meta.get("recognizer_name") in PRESIDIO_RECOGNIZERS and (
+                    (r.start > 0 and text[r.start - 1].isalnum())
+                    or (r.end < len(text) and text[r.end].isalnum())):
+                continue
             spans.append(R.Span(r.entity_type, r.start, r.end, r.score,
                                 meta.get("recognizer_name", "presidio")))
         ents = [(e.label_, e.start_char, e.end_char) for e in doc.ents]
