@@ -1,10 +1,9 @@
 """Steward's PII and secret recognizers for agent traffic.
 
-Each recognizer is a compiled pattern plus a validator (checksum, context, false-positive rules)
-and returns `Span`s. They are plain Python on purpose: the sanitizer runs every one of them on
-every string of a batch, and Presidio's generic `analyze()` bookkeeping (context enhancement from
-lemmas, per-call recognizer filtering) costs more than the regexes themselves. `as_presidio()`
-wraps any of them as a Presidio `EntityRecognizer` so a Presidio `AnalyzerEngine` can use them too.
+Each recognizer has `find(text) -> Span`s: a compiled pattern plus a validator (checksum via
+python-stdnum, phonenumbers, context, false-positive rules), or a library's detectors
+(detect-secrets). `governance/sanitizer/engine.py` registers every one of them as a Presidio
+recognizer in the AnalyzerEngine the sanitizer detects with.
 
 False-positive rules live here, next to the patterns they restrict: order/SKU/ticket ids,
 version strings, commit shas, dates and prices are never phone numbers, cards or people.
@@ -30,6 +29,10 @@ SECRET_TYPES = frozenset({
 IDENTIFIER_TYPES = frozenset({
     "PERSON", "EMAIL_ADDRESS", "PHONE_NUMBER", "IBAN_CODE", "CREDIT_CARD", "IP_ADDRESS",
     "US_SSN", "UK_NINO", "UK_NHS", "IN_PAN", "IN_AADHAAR", "SUBJECT_ID",
+    # Presidio's own government and financial ids
+    "US_DRIVER_LICENSE", "US_PASSPORT", "US_ITIN", "US_BANK_NUMBER", "MEDICAL_LICENSE", "CRYPTO",
+    # ids the text names (NamedIdRecognizer)
+    "PASSPORT", "ACCOUNT_NUMBER", "ID_NUMBER",
 })
 NER_TYPES = frozenset({"PERSON", "LOCATION", "ORGANIZATION"})
 
@@ -44,27 +47,6 @@ class Span:
 
 
 # --- validators --------------------------------------------------------------------------------
-
-def luhn_ok(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = ord(ch) - 48
-        if i % 2:
-            d *= 2
-            if d > 9:
-                d -= 9
-        total += d
-    return total % 10 == 0
-
-
-def iban_ok(iban: str) -> bool:
-    iban = iban.replace(" ", "").upper()
-    if not 15 <= len(iban) <= 34 or not iban[:2].isalpha() or not iban[2:4].isdigit():
-        return False
-    rearranged = iban[4:] + iban[:4]
-    num = "".join(str(int(c, 36)) for c in rearranged)
-    return int(num) % 97 == 1
-
 
 _VERHOEFF_D = [
     [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 6, 7, 8, 9, 5],
@@ -196,13 +178,23 @@ def _aws_secret(text: str, m: re.Match[str]) -> float | None:
 
 
 def _iban(text: str, m: re.Match[str]) -> float | None:
-    return 0.95 if iban_ok(m.group(0)) else None
+    from stdnum import iban
+
+    return 0.95 if iban.is_valid(m.group(0)) else None
 
 
 def _card(text: str, m: re.Match[str]) -> float | None:
     raw = m.group(0)
     digits = only_digits(raw)
-    if not 13 <= len(digits) <= 19 or digits[0] not in "23456" or not luhn_ok(digits):
+    # 12 (Maestro) to 19 digits, an issuer prefix (2-6: Mastercard, Amex, JCB, Diners, Visa,
+    # Discover, Maestro, UnionPay) and a Luhn check digit (python-stdnum).
+    from stdnum import luhn
+
+    jcb15 = len(digits) == 15 and digits.startswith(("1800", "2131"))
+    if not 12 <= len(digits) <= 19 or (digits[0] not in "23456" and not jcb15) \
+            or not luhn.is_valid(digits):
+        return None
+    if len(digits) == 12 and not digits.startswith(("50", "56", "57", "58", "6")):
         return None
     seps = set(re.sub(r"\d", "", raw))
     if len(seps) > 1:
@@ -262,7 +254,9 @@ def _nhs(text: str, m: re.Match[str]) -> float | None:
     raw = m.group(0)
     if not nhs_ok(only_digits(raw)):
         return None
-    if " " in raw or "-" in raw or "nhs" in _context_before(text, m.start()):
+    if "nhs" in _context_before(text, m.start()):
+        return 0.85  # said to be one: wins over the phone number of the same digits
+    if " " in raw or "-" in raw:
         return 0.75
     return None
 
@@ -279,13 +273,6 @@ def _aadhaar(text: str, m: re.Match[str]) -> float | None:
 
 def _jwt(text: str, m: re.Match[str]) -> float | None:
     return 0.95
-
-
-def _secret_assignment(text: str, m: re.Match[str]) -> float | None:
-    value = m.group(1)
-    if value.startswith("<") or value.lower() in {"none", "null", "true", "false", "required"}:
-        return None
-    return 0.8
 
 
 PATTERNS: tuple[PatternRecognizer, ...] = (
@@ -327,13 +314,6 @@ PATTERNS: tuple[PatternRecognizer, ...] = (
     PatternRecognizer("url_password", "URL_PASSWORD",
                       _c(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@\"'<>]+:([^\s@/\"'<>]+)@"),
                       0.99, group=1, hint=_c("://")),
-    PatternRecognizer(
-        "secret_assignment", "SECRET",
-        _c(r"(?i)\b(?:password|passwd|pwd|passphrase|secret|api[_-]?key|apikey|access[_-]?token|"
-           r"auth[_-]?token|refresh[_-]?token|client[_-]?secret|private[_-]?key)\b"
-           r"[\"']?\s*(?:[:=]|\bis\b)\s*[\"']?([^\s\"',;<>]{6,})"),
-        0.8, group=1, validate=_secret_assignment,
-        hint=_c("(?i)pass|pwd|secret|key|token")),
     # ---- identifiers
     PatternRecognizer("email", "EMAIL_ADDRESS",
                       _c(r"(?<![\w.+-])\w[\w.%+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*"
@@ -341,10 +321,13 @@ PATTERNS: tuple[PatternRecognizer, ...] = (
                          r"\.[A-Za-z]{2,24}\b"),
                       0.95, hint=_c("@")),
     PatternRecognizer("iban", "IBAN_CODE",
-                      _c(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b"),
-                      0.95, validate=_iban, hint=_c(r"[A-Z]{2}\d\d")),
+                      # upper or lower case, never mixed: a lower-case word after an
+                      # upper-case IBAN must not extend the match past its check digits
+                      _c(r"\b(?:[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?"
+                         r"|[a-z]{2}\d{2}(?: ?[a-z0-9]{4}){2,7}(?: ?[a-z0-9]{1,3})?)\b"),
+                      0.95, validate=_iban, hint=_c(r"(?i)[A-Z]{2}\d\d")),
     PatternRecognizer("credit_card", "CREDIT_CARD",
-                      _c(r"(?<![\w.,$€£-])(?:\d[ -]?){12,18}\d(?![\w-])"),
+                      _c(r"(?<![\w.,$€£-])(?:\d[ -]?){11,18}\d(?![\w-])"),
                       0.9, validate=_card, hint=_c(r"\d{4}")),
     PatternRecognizer("ipv4", "IP_ADDRESS",
                       _c(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}"
@@ -375,8 +358,9 @@ PATTERNS: tuple[PatternRecognizer, ...] = (
 PHONE_REGIONS = ("US", "GB", "DE", "FR", "IN", "BR", "AU", "JP", "ES", "IT", "NL", "CA", "MX",
                  "CN", "IE", "CH")
 _PHONE_CANDIDATE = re.compile(
-    r"(?<![\w#/$€£.,:+-])(?:\+|00)?\(?\d[\d ().\-/]{5,22}\d"
-    r"(?:\s?(?:x|ext\.?|extension)\s?\d{1,6})?(?![\w/:-]|\.\d|,\d)")
+    r"(?:(?<=[,:])\+|(?<![\w#/$€£.,:+-])(?:\+|00)?)\(?\d[\d ().\-/]{5,22}\d"
+    # (a label glued after the number, "082 490 1693-Office", is not part of it)
+    r"(?:\s?(?:x|ext\.?|extension)\s?\d{1,6})?(?![\w/:]|-\d|\.\d|,\d)")
 _EPOCH = re.compile(r"1[5-9]\d{8}|1[5-9]\d{11}")
 _DATE_LIKE = re.compile(r"\d{4}[-/.]\d{1,2}[-/.]\d{1,2}|\d{1,2}[-/.]\d{1,2}[-/.]\d{4}")
 
@@ -406,8 +390,9 @@ class PhoneRecognizer:
         if _DATE_LIKE.search(main):
             return None
         if re.fullmatch(r"\d+(?:\.\d+)+", main) and any(
-                len(g) <= 2 for g in main.split(".")):
-            return None  # dotted version / build number (10.0.19045.2965)
+                len(g) <= 2 for g in main.split(".")) and not re.fullmatch(
+                r"0\d(?:\.\d\d){4}", main):
+            return None  # dotted version / build number (10.0.19045.2965), not 01.84.17.61.18
         context = bool(_PHONE_CONTEXT.search(_same_sentence_before(text, start)))
         international = main.startswith(("+", "00"))
         separated = bool(re.search(r"[ ().\-/]", main))
@@ -550,7 +535,6 @@ def plausible_person(text: str) -> bool:
 
 PHONE = PhoneRecognizer()
 NAME_CONTEXT = NameContextRecognizer()
-REGEX_RECOGNIZERS: tuple = (*PATTERNS, PHONE)
 
 # Keys (in tool arguments, tool results, metadata) whose string values are wholly one entity.
 PERSON_KEYS = re.compile(
@@ -559,27 +543,38 @@ PERSON_KEYS = re.compile(
     r"[_\- ]?name|name|fullname|firstname|lastname|surname|customer|contact|recipient|sender|"
     r"assignee|reporter|author|owner|patient|employee|passenger|cardholder|account_holder|"
     r"beneficiary|payee|payer|signatory|to_name|from_name)$")
+# Keys whose value is wholly one entity of another kind ({"dob": "1961-03-14"}).
+KEYED_ENTITIES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"(?i)^(?:(?:customer|patient|user|person|client)_)?age(?:_years)?$"), "AGE"),
+    (re.compile(r"(?i)^(?:dob|d_o_b|date_of_birth|birth_?date|birth_?day|born(?:_on)?)$"),
+     "DATE_OF_BIRTH"),
+    (re.compile(r"(?i)^(?:(?:home|street|postal|mailing|billing|shipping|residential|"
+                r"delivery|customer)_)?address(?:_?line)?(?:_?\d)?$|^street(?:_address)?$"),
+     "STREET_ADDRESS"),
+    (re.compile(r"(?i)^(?:zip|zip_?code|post_?code|postal_?code|plz)$"), "STREET_ADDRESS"),
+    (re.compile(r"(?i)^(?:city|town|village|municipality|district|county|province)$"),
+     "LOCATION"),
+)
+
+
+def key_words(key: str) -> str:
+    """A JSON key in snake case whatever its convention: refreshToken -> refresh_Token,
+    date-of-birth -> date_of_birth (the key rules match case-insensitively)."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key).replace("-", "_").replace(" ", "_")
+
+
+def keyed_entity(key: str) -> str | None:
+    words = key_words(key)
+    for rx, etype in KEYED_ENTITIES:
+        if rx.match(words):
+            return etype
+    return None
+
+
 SECRET_KEYS = re.compile(
     r"(?i)(?:^|[_\-])(?:password|passwd|pwd|passphrase|secret|api[_\-]?key|apikey|token|"
     r"access[_\-]?key|private[_\-]?key|client[_\-]?secret|credentials?|authorization|cookie|"
     r"session[_\-]?id)$")
-
-
-def as_presidio(recognizer, supported_language: str = "en"):
-    """Wrap one of our recognizers as a Presidio EntityRecognizer (for AnalyzerEngine users)."""
-    from presidio_analyzer import EntityRecognizer, RecognizerResult
-
-    class _Adapter(EntityRecognizer):
-        def load(self) -> None:
-            pass
-
-        def analyze(self, text, entities, nlp_artifacts=None):
-            return [RecognizerResult(s.entity_type, s.start, s.end, s.score)
-                    for s in recognizer.find(text) if not entities or s.entity_type in entities]
-
-    entity = getattr(recognizer, "entity_type", "PII")
-    return _Adapter(supported_entities=[entity], name=f"steward_{recognizer.name}",
-                    supported_language=supported_language)
 
 
 def offline_tldextract() -> None:
@@ -592,3 +587,465 @@ def offline_tldextract() -> None:
     extractor = tx.TLDExtract(cache_dir=None, suffix_list_urls=(), fallback_to_snapshot=True)
     extractor._steward_offline = True  # type: ignore[attr-defined]
     tx.TLD_EXTRACTOR = extractor
+
+
+# --- secrets: detect-secrets' plugins plus keyword assignments in every casing -------------------
+
+# A key that names a secret, in any convention: OPENAI_API_KEY, mailsac-token, refreshToken,
+# xxx_secret, db.password, clientSecret ("_" is a word character, so no \b before the word).
+_SECRET_WORD = (r"pass(?:word|wd|phrase|code)?|pwd|secret|token|api[_.\-]?key|apikey|"
+                r"access[_.\-]?key|auth(?:[_.\-]?key)?|credentials?|private[_.\-]?key|"
+                r"client[_.\-]?secret|signing[_.\-]?key|session[_.\-]?(?:id|key)|cookie|"
+                r"licen[cs]e[_.\-]?key|master[_.\-]?key|encryption[_.\-]?key|webhook[_.\-]?url|"
+                r"dsn|connection[_.\-]?string|conn[_.\-]?str|sas")
+_SECRET_KEY_NAME = rf"[A-Za-z0-9_.\-]*(?i:{_SECRET_WORD})[A-Za-z0-9_.\-]*"
+# The value: stops at quotes, whitespace, separators and a written "\n" (JSON-escaped text).
+_SECRET_VALUE = r"((?:[^\s\"'`,;<>()\[\]{}\\]|\\(?![nrt\"]))+)"
+_KEYWORD_ASSIGNMENT = re.compile(
+    rf"(?<![A-Za-z0-9])[$@]?({_SECRET_KEY_NAME})[\"'`]?[ \t]*"
+    r"(?:=|:=|::=|:::=|\?=|\.=|\+=|=>|->|:|,|\bis\b|\bto\b)[ \t]*"
+    rf"(?:[\"'`]|\\\")?[ \t]*(?:Bearer[ \t]+|Basic[ \t]+|Token[ \t]+)?{_SECRET_VALUE}")
+# Command-line flags: `--token hf_…`, `-password=…`.
+_FLAG_SECRET = re.compile(rf"(?<![\w-])--?({_SECRET_KEY_NAME})(?:[ \t]+|=)[\"']?{_SECRET_VALUE}")
+_XML_SECRET = re.compile(rf"<({_SECRET_KEY_NAME})>\s*([^<\s]{{6,}})\s*</\1>")
+_URL_QUERY_SECRET = re.compile(
+    r"[?&](?i:key|api[_-]?key|apikey|token|access[_-]?token|auth|secret|sig|signature|"
+    r"password|pwd|code|client[_-]?secret|x-amz-signature|x-amz-credential)=([^&\s#\"'<>]{6,})")
+_NOT_A_SECRET_VALUE = re.compile(
+    r"(?i)^(?:none|null|nil|true|false|undefined|required|optional|string|str|int|bool|"
+    r"redacted|hidden|masked|\*+|x+|\.+|changeme|example|placeholder|your[_\-].*|<.*>|"
+    r"\$\{.*\}|\$\w+|\{\{.*\}\}|%\w+%|os\.environ.*|process\.env.*|env\(.*|getenv.*)$")
+_PASSWORD_WORD = re.compile(r"(?i)pass(?:word|wd|phrase|code)?|pwd")
+# A long random-looking token anywhere (vendor keys with a prefix nobody listed: glpat-, hvs.,
+# FlyV1 fm2_, sk-ant-...): letters and digits mixed, high entropy, not a hex digest or a path.
+_RANDOM_TOKEN = re.compile(r"(?<![\w+/=~.\-])[A-Za-z0-9][A-Za-z0-9_+/=~.\-|]{19,}")
+_HEX_ONLY = re.compile(r"[0-9a-fA-F\-]+")
+
+
+_IDENTIFIER_PARTS = re.compile(r"[A-Z][a-z]{3,}|(?<![A-Za-z])[A-Z]{2,}(?![A-Za-z])")
+
+
+def random_token(value: str) -> bool:
+    if _HEX_ONLY.fullmatch(value) or value.count("/") > 3 or value.count(".") > 3:
+        return False  # digests, uuids, paths, dotted names
+    classes = sum((any(c.isupper() for c in value), any(c.islower() for c in value),
+                   any(c.isdigit() for c in value)))
+    if classes < 2 or (classes == 2 and len(value) < 30):
+        return False
+    if not any(c.isdigit() for c in value) and sum(
+            len(w) for w in _IDENTIFIER_PARTS.findall(value)) >= 0.6 * len(value):
+        return False  # a CamelCase or UPPER_CASE identifier, not a random token
+    return _entropy(value) >= (3.8 if classes == 3 else 4.2)
+
+
+def _entropy(value: str) -> float:
+    from math import log2
+
+    counts: dict[str, int] = {}
+    for ch in value:
+        counts[ch] = counts.get(ch, 0) + 1
+    n = len(value)
+    return -sum(c / n * log2(c / n) for c in counts.values())
+
+
+def secret_like(value: str, password_key: bool = False) -> bool:
+    """A value that could be a credential: not a placeholder, a type name or an English word.
+    Passwords may be words ("hunter2"); other secrets need a digit, mixed case or entropy."""
+    if _NOT_A_SECRET_VALUE.match(value) or len(set(value)) < 3:
+        return False
+    if password_key:
+        return len(value) >= 4
+    if len(value) < 8:
+        return False
+    if re.fullmatch(r"[a-z]+(?:[_\-.][a-z]+)*", value) or re.fullmatch(r"[A-Z][a-z]+", value) \
+            or re.fullmatch(r"[A-Z]+(?:_[A-Z]+)+", value):
+        return False  # identifiers, words, env-var names: "read_only", "YOUR_API_TOKEN"
+    if re.fullmatch(r"[\w.\-]+\.(?:py|js|ts|json|yaml|yml|txt|md|html|env|cfg|ini|toml)", value):
+        return False  # a file name
+    has_digit = any(c.isdigit() for c in value)
+    mixed = any(c.isupper() for c in value) and any(c.islower() for c in value)
+    return has_digit or mixed or _entropy(value) >= 3.0
+
+
+class SecretsRecognizer:
+    """Credentials: detect-secrets' vendor plugins (AWS, GitHub, GitLab, Slack, Stripe, Twilio,
+    SendGrid, npm, PyPI, OpenAI, Discord, Telegram, JWT, private keys, basic auth, ...), its
+    keyword and high-entropy detectors, and key-value assignments whose key names a secret in
+    any casing convention (`OPENAI_API_KEY=`, `refreshToken:`, `xxx_secret: `, `token = '…'`,
+    `<apiToken>…</apiToken>`, `?key=` in URLs)."""
+
+    name = "secrets"
+    entity_type = "SECRET"
+
+    def __init__(self) -> None:
+        self.vendor: list | None = None  # detect-secrets' plugins, loaded on first use
+
+    def _load(self) -> None:
+        from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+        from detect_secrets.plugins.high_entropy_strings import HighEntropyStringsPlugin
+        from detect_secrets.plugins.keyword import KeywordDetector
+
+        vendor = []
+        for cls in get_mapping_from_secret_type_to_class().values():
+            if issubclass(cls, HighEntropyStringsPlugin | KeywordDetector):
+                continue
+            if cls.__name__ in ("IPPublicDetector",):  # an IP is not a secret (IP_ADDRESS is)
+                continue
+            vendor.append(cls())
+        from detect_secrets.plugins.high_entropy_strings import (
+            Base64HighEntropyString,
+            HexHighEntropyString,
+        )
+
+        self.entropy = [Base64HighEntropyString(limit=4.5), HexHighEntropyString(limit=3.0)]
+        self.keyword = KeywordDetector()
+        self.vendor = vendor
+
+    def find(self, text: str) -> Iterable[Span]:
+        if self.vendor is None:
+            self._load()
+        seen: set[tuple[int, int]] = set()
+
+        def span(start: int, end: int, score: float, how: str) -> Iterable[Span]:
+            if end - start >= 4 and (start, end) not in seen:
+                seen.add((start, end))
+                yield Span("SECRET", start, end, score, how)
+
+        for m in (*_KEYWORD_ASSIGNMENT.finditer(text), *_FLAG_SECRET.finditer(text)):
+            key, value = m.group(1), m.group(2).rstrip(".")
+            if secret_like(value, bool(_PASSWORD_WORD.search(key))):
+                yield from span(m.start(2), m.start(2) + len(value), 0.8, "secret_assignment")
+        for m in _XML_SECRET.finditer(text):
+            if secret_like(m.group(2)):
+                yield from span(m.start(2), m.end(2), 0.8, "secret_assignment")
+        for m in _RANDOM_TOKEN.finditer(text):
+            value = m.group(0).rstrip(".=|")
+            if random_token(value):
+                yield from span(m.start(), m.start() + len(value), 0.6, "random_token")
+        if "=" in text and ("?" in text or "&" in text):
+            for m in _URL_QUERY_SECRET.finditer(text):
+                if secret_like(m.group(1)):
+                    yield from span(m.start(1), m.end(1), 0.85, "url_query_secret")
+        plugins = [(p, True) for p in self.vendor] + [(p, False) for p in self.entropy] + [
+            (self.keyword, False)]
+        for plugin, vendor in plugins:
+            try:
+                found = list(plugin.analyze_string(text))
+            except Exception:  # noqa: BLE001 - a plugin's bug must not stop the others
+                continue
+            for value in found:
+                if not isinstance(value, str) or len(value) < 6:
+                    continue
+                if not vendor and not secret_like(value):
+                    continue
+                # The entropy plugins leave their threshold to the caller (detect-secrets
+                # applies it in analyze_line).
+                limit = getattr(plugin, "entropy_limit", None)
+                if limit is not None and plugin.calculate_shannon_entropy(value) < limit:
+                    continue
+                for vm in re.finditer(re.escape(value), text):
+                    yield from span(vm.start(), vm.end(), 0.9 if vendor else 0.7,
+                                    f"detect_secrets:{type(plugin).__name__}")
+
+
+# --- spaCy's entities as a recognizer ------------------------------------------------------------
+
+_NER_LABELS = {"PERSON": "PERSON", "GPE": "LOCATION", "LOC": "LOCATION", "FAC": "LOCATION",
+               "ORG": "ORGANIZATION"}
+
+
+def country_names() -> frozenset[str]:
+    """Country names in the languages libphonenumber knows (its region display names)."""
+    from phonenumbers.geodata.locale import LOCALE_DATA
+
+    names = {n.casefold() for langs in LOCALE_DATA.values() for n in langs.values()}
+    names |= {"usa", "us", "u.s.", "u.s.a.", "uk", "u.k.", "america", "england", "scotland",
+              "wales", "northern ireland", "the netherlands", "holland", "the united states"}
+    return frozenset(names)
+
+
+class NerRecognizer:
+    """The model's PERSON / GPE / LOC / FAC / ORG entities with Steward's rules: agent
+    vocabulary is not a person, a possessive "'s" is not part of the name, and a country alone
+    is `COUNTRY` (kept by the default policy) while a city, region or street is `LOCATION`."""
+
+    name = "spacy_ner"
+    entity_type = "PERSON"
+
+    def __init__(self) -> None:
+        self._countries: frozenset[str] | None = None
+
+    @property
+    def countries(self) -> frozenset[str]:
+        if self._countries is None:
+            self._countries = country_names()
+        return self._countries
+
+    def find(self, text: str, nlp_artifacts) -> Iterable[Span]:
+        from governance.sanitizer.names import reclassify_as_person
+
+        for ent in nlp_artifacts.tokens.ents:
+            etype = _NER_LABELS.get(ent.label_)
+            value = ent.text
+            # Known names the model labelled otherwise (or wrote in lower case): a person.
+            if (etype != "PERSON" or not plausible_person(value)) and reclassify_as_person(
+                    ent.label_, value.removesuffix("'s").removesuffix("’s")):
+                end = ent.end_char - (2 if value.endswith(("'s", "’s")) else 0)
+                yield Span("PERSON", ent.start_char, end, 0.7, "spacy_ner+gazetteer")
+                continue
+            if etype is None:
+                continue
+            if etype == "PERSON" and not plausible_person(value):
+                continue
+            if etype != "PERSON" and value.casefold() in AGENT_VOCAB:
+                continue  # "IBAN" is not an organisation
+            if etype == "LOCATION" and (any(c.isdigit() for c in value)
+                                        or BENIGN_TOKEN.fullmatch(value)):
+                continue  # "INC4075079", "BUG-53404": ticket ids, not places
+            start, end = ent.start_char, ent.end_char
+            if value.endswith(("'s", "’s")):
+                end -= 2
+            if etype == "LOCATION" and value.strip().casefold().removeprefix("the ") in \
+                    self.countries:
+                etype = "COUNTRY"
+            # Places and organisations lose to any validated pattern and to a name from context
+            # (privacy first: a person called a place would leak).
+            score = 0.85 if etype == "PERSON" else 0.5
+            yield Span(etype, start, end, score, self.name)
+
+
+# --- ages ----------------------------------------------------------------------------------------
+
+_AGE = re.compile(
+    r"(?i)(?:\b(?:aged?|age of|age:|turn(?:ed|s|ing)?|(?:he|she|i|they|you) (?:was|were|am|is)|"
+    r"i'm|i’m|he's|she's)[ \t]+(?:just[ \t]+)?(\d{1,3})\b(?![.,]\d|[ \t]*(?:%|percent|"
+    r"dollars|euros?|pounds|usd|eur|gbp|km|kg|lbs?|cm|mm|miles|minutes|mins|hours|hrs|days|"
+    r"weeks|months|items|times|pages|points|°|o'clock|am\b|pm\b|th\b|st\b|nd\b|rd\b|:))"
+    r"|\b(\d{1,3})(?:[ \t-]+(?:years?|yrs?)[ \t-]*(?:old|of age)\b|[ \t]*(?:y/o|yo)\b|"
+    r"-year-old\b))")
+
+
+class AgeRecognizer:
+    """A person's age: "aged 53", "at the age of 66", "turned 53", "a 22 year old", "i'm 40
+    y/o", "when he was 65." — a number with an age cue, never a bare number."""
+
+    name = "age"
+    entity_type = "AGE"
+
+    def find(self, text: str) -> Iterable[Span]:
+        if not any(ch.isdigit() for ch in text):
+            return
+        for m in _AGE.finditer(text):
+            group = 1 if m.group(1) is not None else 2
+            if 0 < int(m.group(group)) <= 125:
+                yield Span("AGE", m.start(group), m.end(group), 0.75, self.name)
+
+
+# --- street addresses ---------------------------------------------------------------------------
+
+_L = f"[{UP}{LO}]"
+_CAPW = rf"(?:[{UP}][{UP}{LO}'’.\-]*|\d+[A-Za-z]?)"
+# Street types written after the name ("Archwood Avenue", "Pentelis Str.")...
+_STREET_SUFFIX = (r"(?:Street|St|Str|Road|Rd|Avenue|Ave|Av|Boulevard|Blvd|Lane|Ln|Drive|Dr|Way|"
+                  r"Court|Ct|Place|Pl|Square|Sq|Terrace|Ter|Crescent|Cres|Close|Parkway|Pkwy|"
+                  r"Highway|Hwy|Circle|Cir|Trail|Trl|Turnpike|Tpke|Gateway|Route|Rte|Row|Walk|"
+                  r"Alley|Mews|Gardens|Grove|Hill|Park|Green|Quay|Wharf|Loop|Pike|Plaza|Point|"
+                  r"Ridge|View|Vista|Crossing|Expressway|Freeway|Causeway|Esplanade)\.?")
+# ... glued to it in Germanic, Nordic, Finnish, Dutch, Hungarian and Slavic names
+# ("Feldstrasse", "Koskikatu", "Hansinegata", "Breivangvegen", "Hoogstraat", "Erzsébet tér") ...
+_GLUED = (r"(?:stra(?:ss|ß)e|str\.|gasse|weg|allee|platz|ring|damm|ufer|chaussee|straat|laan|"
+          r"gracht|plein|kade|singel|dijk|gata|gatan|vägen|vagen|väg|vej|vei|veien|veg|vegen|"
+          r"stien|stigen|gade|torv|torget|plads|katu|tie|kuja|polku|kaari|tori|utca|út|tér|"
+          r"körút|ulica|ulice|cesta|trg|ova|ská|ská|skiego|tee|maantee|iela|gatvė|sokak|cadde)")
+# ... or before it in Romance and Slavic ones ("Via Roma", "ul. Słowicza", "Rue Hsine").
+_STREET_PREFIX = (r"(?:Via|Viale|Vicolo|Piazza|Piazzale|Corso|Largo|Strada|Calle|Carrer|Avenida|"
+                  r"Avinguda|Paseo|Passeig|Camino|Plaza|Pl\.|Ronda|Travesía|Rua|Rúa|Avda\.?|"
+                  r"Travessa|Praça|Largo|Rue|Boulevard|Bd|Bld|Chemin|Allée|Impasse|Quai|Place|"
+                  r"Route|ul\.|ulica|al\.|aleja|os\.|pl\.|Str\.|Strada|Odos|Odós|Leoforos)")
+_STREET = re.compile(
+    rf"(?:\b\d{{1,6}}[A-Za-z]?[ \t]+)?(?:"
+    rf"{_CAPW}(?:[ \t]+{_CAPW}){{0,3}}[ \t]+{_STREET_SUFFIX}(?![{LO}])"
+    rf"|[{UP}]{_L}*{_GLUED}\b\.?"
+    rf"|[{UP}]{_L}+[ \t]+{_GLUED}\b"
+    # "20789 Allika 46": a postcode or house number, a name, a house number
+    rf"|(?<=\d[ \t])[{UP}]{_L}+(?:[ \t]+[{UP}]{_L}+){{0,2}}(?=[ \t]+\d{{1,4}}[A-Za-z]?\b)"
+    rf"|\b{_STREET_PREFIX}[ \t]+(?:(?:de|del|de la|do|da|dos|das|di|della|du|des|la|le|"
+    rf"dei)[ \t]+)*{_CAPW}(?:[ \t]+{_CAPW}){{0,3}}"
+    rf")(?:[ \t]+\d{{1,5}}[A-Za-z]?\b\.?)?")
+_UNIT = re.compile(
+    r"(?i)\b(?:apt\.?|apartment|suite|ste\.?|unit|flat|floor|fl\.|room|rm\.?|bldg\.?|"
+    r"building)[ \t]*#?[ \t]*\d{1,5}[A-Za-z]?\b"
+    r"|\b(?:P\.?[ \t]?O\.?[ \t]?Box|PO Box|Box|Postfach|Apartado|Casilla)[ \t]+\d{1,6}\b"
+    r"|\b(?:APO|FPO|DPO)[ \t]+(?:AA|AE|AP)[ \t]+\d{5}\b"
+    r"|\bUS(?:NS|NV|S|CGC)[ \t]+[A-Z][a-z]+\b")
+_STATE_OR_CITY_LINE = re.compile(
+    rf"[ \t]*(?:[{UP}][{UP}{LO}'’.\-]*|\d{{3,6}}(?:[ \t-]?[A-Z]{{2}}|[ \t]\d{{2,3}})?|nan)"
+    rf"(?:[ \t]+(?:[{UP}][{UP}{LO}'’.\-]*|\d{{3,6}}(?:[ \t]?[A-Z]{{2}})?|nan|de|del|am|an|"
+    rf"der|sur|upon|on|la|le)){{0,4}}[ \t]*")
+_ZIP_CONTEXT = re.compile(
+    r"(?i)\b(?:zip(?:[ \t]?code)?|postal[ \t]?code|post[ \t]?code|postcode|plz|cap|cp)"
+    r"\b[^\n\d]{0,12}?(\d{3,6}(?:[ \t-]?[A-Z]{2}|[ \t-]\d{2,4})?)\b")
+_BLOCK_STOP = re.compile(r"(?i)^(?:phone|tel|mobile|fax|email|e-mail|website|web|dear|hi|"
+                         r"hello|thanks|regards|note|nan\S)")
+
+
+class AddressRecognizer:
+    """Street addresses, multilingual: a street (number + name + street type, a Germanic or
+    Nordic glued name + number, a Romance "Via/Rue/Calle ..." name), flat/suite/PO-box/military
+    lines, and the city / region / postcode / country lines that follow the street in an address
+    block — the whole block is one STREET_ADDRESS. Postcodes with a cue ("ZIP: 6280") alone."""
+
+    name = "street_address"
+    entity_type = "STREET_ADDRESS"
+
+    def find(self, text: str) -> Iterable[Span]:
+        spans: list[tuple[int, int]] = []
+        for rx in (_STREET, _UNIT):
+            for m in rx.finditer(text):
+                value = m.group(0)
+                if rx is _STREET and not self._plausible_street(value):
+                    continue
+                spans.append((m.start(), m.end()))
+        spans.sort()
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and start <= self._extend(text, merged[-1][1], limit=1, probe=True):
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            end = self._extend(text, end, limit=4)
+            yield Span("STREET_ADDRESS", start, end, 0.7, self.name)
+        for m in _ZIP_CONTEXT.finditer(text):
+            yield Span("STREET_ADDRESS", m.start(1), m.end(1), 0.7, "postcode")
+
+    @staticmethod
+    def _plausible_street(value: str) -> bool:
+        words = value.split()
+        # "The Street", "Main Road" alone are common phrases: a street needs a number, or a
+        # glued/prefixed form of two or more words.
+        has_number = any(w[0].isdigit() for w in words)
+        if not has_number and len(words) < 2:
+            return False
+        if any(w.casefold() in AGENT_VOCAB for w in words):
+            return False
+        return has_number or len(words) >= 2
+
+    @staticmethod
+    def _extend(text: str, end: int, limit: int, probe: bool = False) -> int:
+        """Take the short lines or comma-separated parts after a street: unit, city, region,
+        postcode, country. Stops at a blank line, a sentence or a labelled field."""
+        pos = end
+        for _ in range(limit):
+            m = re.match(r"[ \t]*(?:,[ \t]*\n?|\n)(?:[ \t]*[>?]+)*[ \t]*(?:,[ \t]*)?|[ \t]+",
+                         text[pos:])
+            if m is None or not m.group(0):
+                break
+            seg_start = pos + m.end()
+            if _BLOCK_STOP.match(text[seg_start:]):
+                break
+            u = _UNIT.match(text, seg_start)
+            line = u or _STATE_OR_CITY_LINE.match(text, seg_start)
+            if line is None or line.end() == seg_start:
+                break
+            seg_end = line.end()
+            after = text[seg_end:seg_end + 1]
+            # A part of an address block ends the line or a comma-separated part.
+            if after not in ("", "\n", ",", ".", ";", ")", "\r") and not u:
+                break
+            if probe:
+                return seg_start
+            pos = len(text[:seg_end].rstrip(" \t"))
+        return pos if not probe else end + 3
+
+
+# --- places the model misses ---------------------------------------------------------------------
+
+_PLACE_WORD = rf"(?:[{UP}][{UP}{LO}'’\-]+|[{UP}]{{2,}}[{UP}'’\-]*)"
+_PLACE_RUN = (rf"{_PLACE_WORD}(?:[ \t]+(?:de|del|la|le|am|an|der|sur|upon|on|di)?[ \t]*"
+              rf"{_PLACE_WORD}){{0,3}}")
+# Phrases that are followed by a place in any English text.
+_PLACE_CUE = re.compile(
+    r"(?i:\b(?:grew up in|born in|based in|lives? in|living in|moved to|moving to|"
+    r"originally from|returned to|arrived (?:at|in)|flew to|flying to|travel(?:l)?ing to|"
+    r"relocat(?:ed|ing) to|headquartered in|i'?m in|i am in|we are in|located in|resident of|"
+    r"university of|city of|town of|village of|home (?:city|town))[ \t]+)"
+    rf"({_PLACE_RUN})")
+# An ALL-CAPS word after a locative preposition ("returned to LYCKSELE"): a place, unless it
+# is agent vocabulary (in JSON, to PROD, at UTC).
+_CAPS_AFTER_PREP = re.compile(
+    rf"(?i:\b(?:in|at|to|from|near|of)[ \t]+)([{UP}]{{4,}}(?:[ \t]+[{UP}]{{3,}}){{0,2}})"
+    rf"(?![{UP}{LO}\d_])")
+_NOT_PLACES = frozenset(w.casefold() for w in """
+UTC GMT PROD PRODUCTION STAGING DEV TEST TODO README NOTE WARN WARNING ERROR INFO DEBUG
+TRUE FALSE NULL NONE NAN EUR USD GBP JPY CHF CAD AUD INR ASAP ACME FIXME HTTP HTTPS
+""".split())
+
+
+class PlaceCueRecognizer:
+    """Cities and regions the model misses (all-caps, or unfamiliar): a capitalised run after a
+    phrase that introduces a place ("grew up in", "originally from", "University of") or an
+    all-caps word after a locative preposition."""
+
+    name = "place_cue"
+    entity_type = "LOCATION"
+
+    def __init__(self) -> None:
+        self._countries: frozenset[str] | None = None
+
+    def find(self, text: str) -> Iterable[Span]:
+        if self._countries is None:
+            self._countries = country_names()
+        for rx, score in ((_PLACE_CUE, 0.6), (_CAPS_AFTER_PREP, 0.55)):
+            for m in rx.finditer(text):
+                words = m.group(1).split()
+                while words and (words[-1].casefold() in AGENT_VOCAB
+                                 or words[-1].casefold() in ORG_WORDS
+                                 or words[-1].casefold() in _NOT_PLACES):
+                    words.pop()
+                if not words or any(w.casefold() in AGENT_VOCAB or w.casefold() in _NOT_PLACES
+                                    for w in words):
+                    continue
+                value = " ".join(words)
+                if value.casefold() in self._countries:
+                    continue  # a country alone: NER's COUNTRY, kept
+                end = m.start(1) + len(value) if m.group(1).startswith(value) else m.end(1)
+                yield Span("LOCATION", m.start(1), end, score, self.name)
+
+
+# --- government and account ids named in the text -----------------------------------------------
+
+_ID_CUE = re.compile(
+    r"(?i)\b(driver'?s?[ \t]+licen[cs]e|driving[ \t]+licen[cs]e|licen[cs]e[ \t]+(?:number|no)|"
+    r"passport|national[ \t]+id|identity[ \t]+(?:card|number)|id[ \t]+(?:card|number)|"
+    r"tax[ \t]+(?:id|number)|social[ \t]+insurance|personalausweis|dni|nie|nif|cpf|"
+    r"bsn|pesel|codice[ \t]+fiscale|member(?:ship)?[ \t]+(?:id|number)|policy[ \t]+number|"
+    r"account[ \t]+(?:number|no))\b"
+    r"[^\n\d]{0,24}?\b((?=[A-Z\-]*\d)[A-Z0-9](?:[A-Z0-9\-]{3,22})[A-Z0-9])\b")
+_ID_TYPES = {"driver": "US_DRIVER_LICENSE", "driving": "US_DRIVER_LICENSE",
+             "passport": "PASSPORT", "account": "ACCOUNT_NUMBER"}
+
+
+class NamedIdRecognizer:
+    """An id the text names: "my driver's license number is 2270-66-1551", "passport
+    X1234567", "policy number 88-1234" — a token with digits right after the cue."""
+
+    name = "named_id"
+    entity_type = "ID_NUMBER"
+
+    def find(self, text: str) -> Iterable[Span]:
+        for m in _ID_CUE.finditer(text):
+            value = m.group(2)
+            if sum(c.isdigit() for c in value) < 4:
+                continue
+            etype = _ID_TYPES.get(m.group(1).split()[0].casefold().rstrip("'s"), "ID_NUMBER")
+            yield Span(etype, m.start(2), m.end(2), 0.8, self.name)
+
+
+NER = NerRecognizer()
+SECRETS = SecretsRecognizer()
+NAMED_IDS = NamedIdRecognizer()
+PLACES = PlaceCueRecognizer()
+AGE = AgeRecognizer()
+ADDRESS = AddressRecognizer()
+EXTRA_RECOGNIZERS: tuple = (AGE, ADDRESS, PLACES, NAMED_IDS)

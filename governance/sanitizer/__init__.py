@@ -8,8 +8,10 @@ One call, `Sanitizer.sanitize_bodies(items, state)`, handles a batch:
   1. walk every body and collect the strings a human or a tool wrote (message content and text
      parts, system prompts, tool-call arguments parsed as JSON, tool results, Responses items,
      reasoning, stream deltas); ids, model names, roles, enums and numbers are never collected;
-  2. run the regex recognizers on every collected string, and spaCy NER once over all the
-     prose strings of the batch (`nlp.pipe`);
+  2. detect through Presidio's AnalyzerEngine (`engine`): Steward's recognizers and Presidio's
+     own in its registry, spaCy NER once over all the prose strings of the batch (`nlp.pipe`),
+     the shared NLP artifacts passed to `analyze`; key-aware rules for JSON keys (secrets,
+     person names, subject ids) and the deny list beside it;
   3. propagate names: a person found anywhere in the trajectory is found everywhere in it
      (aliases kept in `PlaceholderState` as keyed hashes, never as raw values);
   4. write the replacements into a copy of each body: same keys, same list lengths, tool
@@ -17,7 +19,8 @@ One call, `Sanitizer.sanitize_bodies(items, state)`, handles a batch:
 Findings carry entity type, JSON path, offsets, score and recognizer — never the value.
 
 Modules: `policy` (Policy, operators, PlaceholderState), `walk` (which strings of a body are
-content), `core` (Sanitizer), `logprobs` (token pieces of sanitized content).
+content), `engine` (the Presidio AnalyzerEngine), `names` (the name gazetteer and its rules),
+`core` (Sanitizer), `logprobs` (token pieces of sanitized content).
 """
 
 from governance.sanitizer.core import (

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from governance import recognizers as R
+from governance.sanitizer.engine import StewardAnalyzer
 from governance.sanitizer.logprobs import fix_logprobs
 from governance.sanitizer.policy import (
     PlaceholderState,
@@ -56,28 +57,22 @@ def load_nlp(ner_only: bool = True):
     return spacy.load(spacy_model_path())
 
 
-class StewardNlpEngine:
-    """A Presidio `SpacyNlpEngine` over our already-loaded pipeline (for AnalyzerEngine users:
-    see `Sanitizer.presidio_analyzer()`)."""
-
-    def __new__(cls, nlp):
-        from presidio_analyzer.nlp_engine import SpacyNlpEngine
-
-        class _Engine(SpacyNlpEngine):
-            def load(self) -> None:  # never downloads: the pipeline is injected
-                self.nlp = {"en": nlp}
-
-        engine = _Engine(models=[{"lang_code": "en", "model_name": str(spacy_model_path())}])
-        engine.load()
-        return engine
-
-
-# Not ORG: the small model calls many unfamiliar person names organisations, and a leaked
-# name costs more than a product name turned into a placeholder.
-# (nor NORP: unfamiliar first names come out as nationalities).
+# Model labels whose span makes a weak name guess lose ("Ask Stack Overflow"). Not ORG: the
+# small model calls many unfamiliar person names organisations (nor NORP: unfamiliar first
+# names come out as nationalities).
 _NOT_A_PERSON = frozenset({"FAC", "PRODUCT", "WORK_OF_ART", "EVENT", "LAW", "LANGUAGE"})
-_NER_LABELS = {"PERSON": "PERSON", "GPE": "LOCATION", "LOC": "LOCATION", "FAC": "LOCATION",
-               "ORG": "ORGANIZATION"}
+_NER_TYPES = frozenset({"LOCATION", "COUNTRY", "ORGANIZATION"})
+_BIRTH_CUE = re.compile(r"(?i)\b(?:born|birth|birthday|d\.?o\.?b\.?|geboren|née?|nacido|nato)\b")
+
+
+def _birth_dates(slot: _Slot) -> None:
+    """A date with a birth cue shortly before it is a date of birth (replaced by default);
+    other dates stay DATE_TIME (kept: agents live on order dates and deadlines)."""
+    for k, s in enumerate(slot.spans):
+        if s.entity_type == "DATE_TIME" and _BIRTH_CUE.search(
+                slot.text[max(0, s.start - 40):s.start]):
+            slot.spans[k] = R.Span("DATE_OF_BIRTH", s.start, s.end, max(s.score, 0.8),
+                                   s.recognizer)
 _CAP_SEQ = re.compile(
     rf"(?<!\w)[{R.UP}][{R.LO}'’\-]{{2,}}(?:[ \t]+[{R.UP}][{R.LO}'’\-]{{2,}}){{0,2}}(?!\w)")
 
@@ -85,14 +80,17 @@ _CAP_SEQ = re.compile(
 class Sanitizer:
     """Load once per process (spaCy + recognizers); `with_policy` shares the loaded model."""
 
-    def __init__(self, policy: Policy | None = None, *, nlp=None, batch_size: int = 64):
+    def __init__(self, policy: Policy | None = None, *, nlp=None, batch_size: int = 64,
+                 analyzer: StewardAnalyzer | None = None):
         R.offline_tldextract()
         self.policy = policy or Policy()
         self.nlp = nlp if nlp is not None else load_nlp(True)
         self.batch_size = batch_size
+        self.analyzer = analyzer or StewardAnalyzer(self.nlp, batch_size)
 
     def with_policy(self, policy: Policy) -> Sanitizer:
-        return Sanitizer(policy, nlp=self.nlp, batch_size=self.batch_size)
+        return Sanitizer(policy, nlp=self.nlp, batch_size=self.batch_size,
+                         analyzer=self.analyzer)
 
     # -- public API
 
@@ -159,17 +157,9 @@ class Sanitizer:
         return TextResult(new, findings, list(idents))
 
     def presidio_analyzer(self):
-        """A Presidio AnalyzerEngine over the same loaded pipeline with Steward's recognizers
-        (for callers that want Presidio's API; the batch path above does not go through it)."""
-        from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
-        from presidio_analyzer.predefined_recognizers import SpacyRecognizer
-
-        registry = RecognizerRegistry(supported_languages=["en"])
-        registry.add_recognizer(SpacyRecognizer(supported_entities=["PERSON", "LOCATION"]))
-        for rec in (*R.REGEX_RECOGNIZERS, R.NAME_CONTEXT):
-            registry.add_recognizer(R.as_presidio(rec))
-        return AnalyzerEngine(nlp_engine=StewardNlpEngine(self.nlp), registry=registry,
-                              supported_languages=["en"])
+        """The Presidio AnalyzerEngine the sanitizer detects with (Steward's recognizers and
+        Presidio's own in its registry, over the same loaded pipeline)."""
+        return self.analyzer.analyzer
 
     # -- detection
 
@@ -194,6 +184,14 @@ class Sanitizer:
                         "none", "null", "true", "false", "redacted", "***"}:
                     slot.spans.append(R.Span("SECRET", 0, len(text), 0.9, "secret_key"))
                 continue
+            if slot.mode.startswith("keyed:"):
+                # The key says what the whole value is ({"dob": ...}, {"city": ...}).
+                stripped = text.strip()
+                if len(stripped) >= 2 and not R.protected_spans(text):
+                    lead = len(text) - len(text.lstrip())
+                    slot.spans.append(R.Span(slot.mode.split(":", 1)[1], lead,
+                                             lead + len(stripped), 0.85, "keyed_field"))
+                continue
             if slot.mode == "subject":
                 if not R.protected_spans(text):
                     slot.spans.append(R.Span("SUBJECT_ID", 0, len(text), 1.0, "subject_field"))
@@ -205,36 +203,24 @@ class Sanitizer:
                     lead = len(text) - len(text.lstrip())
                     slot.spans.append(R.Span("PERSON", lead, lead + len(stripped), 0.85,
                                              "person_key"))
-            for rec in R.REGEX_RECOGNIZERS:
-                slot.spans.extend(rec.find(text))
-            if slot.mode in ("full", "name"):
-                slot.spans.extend(R.NAME_CONTEXT.find(text))
             if policy._deny is not None:
                 slot.spans.extend(R.Span("DENY_LIST", m.start(), m.end(), 1.0, "deny_list")
                                   for m in policy._deny.finditer(text))
-        ner_slots = [s for s in slots if s.mode in ("full", "name")]
-        if ner_slots:
-            docs = self.nlp.pipe((s.text for s in ner_slots), batch_size=self.batch_size)
-            for slot, doc in zip(ner_slots, docs, strict=True):
-                for ent in doc.ents:
-                    if ent.label_ in _NOT_A_PERSON:
-                        slot.blockers.append((ent.start_char, ent.end_char))
-                    etype = _NER_LABELS.get(ent.label_)
-                    if etype is None or (etype == "ORGANIZATION"
-                                         and not policy.detect_organizations):
-                        continue
-                    if etype == "PERSON" and not R.plausible_person(ent.text):
-                        continue
-                    if etype != "PERSON" and ent.text.casefold() in R.AGENT_VOCAB:
-                        continue  # "IBAN" is not an organisation
-                    start, end = ent.start_char, ent.end_char
-                    # spaCy includes a possessive "'s" in the span; the name ends before it.
-                    if ent.text.endswith(("'s", "’s")):
-                        end -= 2
-                    # Places and organisations lose to any validated pattern and to a name
-                    # from context (privacy first: a person called a place would leak).
-                    score = 0.85 if etype == "PERSON" else 0.5
-                    slot.ner.append(R.Span(etype, start, end, score, "spacy_ner"))
+        # Everything else through Presidio's AnalyzerEngine: spaCy once over the prose strings
+        # of the batch, a tokenizer-only doc for the rest.
+        analyzed = [s for s in slots if s.mode in ("full", "name", "regex")]
+        results = self.analyzer.analyze_batch(
+            [s.text for s in analyzed], [s.mode in ("full", "name") for s in analyzed],
+            organizations=policy.detect_organizations)
+        for slot, found in zip(analyzed, results, strict=True):
+            for s in found.spans:
+                if s.entity_type in _NER_TYPES:
+                    slot.ner.append(s)
+                else:
+                    slot.spans.append(s)
+            slot.blockers.extend((b, e) for label, b, e in found.ents if label in _NOT_A_PERSON)
+        for slot in slots:
+            _birth_dates(slot)
         for slot in slots:
             spans = slot.spans
             if slot.blockers:
@@ -257,7 +243,8 @@ class Sanitizer:
                     st.add_person_aliases(_normalize_case(value), label, policy.secret)
         for slot in slots:
             st = states[slot.item]
-            if not st.aliases or slot.mode in ("skip", "secret", "subject"):
+            if not st.aliases or slot.mode in ("skip", "secret", "subject") \
+                    or slot.mode.startswith("keyed:"):
                 continue
             extra = []
             for m in _CAP_SEQ.finditer(slot.text):
@@ -278,7 +265,11 @@ class Sanitizer:
         spans = _merge_persons(spans)
         protected = R.protected_spans(text)
         kept: list[R.Span] = []
-        for s in sorted(spans, key=lambda s: (-s.score, -(s.end - s.start), s.start)):
+        # Spans the policy replaces come first: a kept URL or date never shields a secret or a
+        # name inside it.
+        keep = {s.entity_type: policy.operator_for(s.entity_type) == "keep" for s in spans}
+        for s in sorted(spans, key=lambda s: (keep[s.entity_type], -s.score,
+                                              -(s.end - s.start), s.start)):
             if s.score < policy.score_threshold:
                 continue
             if policy.allowed(text[s.start:s.end]):

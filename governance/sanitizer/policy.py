@@ -20,9 +20,17 @@ DEFAULT_OPERATORS: dict[str, str] = {
     **{t: "redact" for t in R.SECRET_TYPES},
     **{t: "placeholder" for t in R.IDENTIFIER_TYPES},
     "DENY_LIST": "redact",
-    # Cities and countries are rarely identifying alone and agents talk about them constantly:
-    # reported as findings, left in the text unless a tenant policy says otherwise.
-    "LOCATION": "keep",
+    # What a bank would sign: every place finer than a country (cities, regions, streets),
+    # street addresses, dates of birth and ages are replaced. A country alone, a date that is
+    # not a date of birth and a URL without credentials are reported and kept (agents talk
+    # about them constantly and they name nobody); a tenant policy may replace them too.
+    "LOCATION": "placeholder",
+    "STREET_ADDRESS": "placeholder",
+    "DATE_OF_BIRTH": "placeholder",
+    "AGE": "placeholder",
+    "COUNTRY": "keep",
+    "DATE_TIME": "keep",
+    "URL": "keep",
 }
 
 

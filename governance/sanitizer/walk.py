@@ -36,7 +36,6 @@ _FUNCTION_PARENTS = frozenset({"function", "function_call", "custom", "tool", "m
                                "custom_tool_call"})
 
 _PROSE = re.compile(r"[A-Za-z][a-z]+[\s,.;:!?]+\S")
-_UPPER = re.compile(r"[A-Z]")
 _NAME_SHAPE = re.compile(
     rf"[{R.UP}][{R.UP}{R.LO}'’\-]*(?:[ \t]+[{R.UP}{R.LO}][{R.UP}{R.LO}'’.\-]*){{0,4}}")
 
@@ -158,10 +157,14 @@ class _Walker:
         self._add(container, key, value, _text_mode(value, unknown=True), spath, svp, emb)
 
     def _structured_string(self, container, key, value, spath, svp, emb, name: str) -> None:
-        if R.SECRET_KEYS.search(name or ""):
+        words = R.key_words(name) if name else ""
+        keyed = R.keyed_entity(name) if name else None
+        if R.SECRET_KEYS.search(words):
             self._add(container, key, value, "secret", spath, svp, emb)
-        elif name and R.PERSON_KEYS.match(name):
+        elif name and R.PERSON_KEYS.match(words):
             self._add(container, key, value, "name", spath, svp, emb)
+        elif keyed is not None:
+            self._add(container, key, value, f"keyed:{keyed}", spath, svp, emb)
         elif name in SUBJECT_KEYS:
             self._add(container, key, value, "subject", spath, svp, emb)
         elif name in BINARY_KEYS and _looks_binary(value):
@@ -200,7 +203,8 @@ def _text_mode(value: str, unknown: bool = False) -> str:
     if " " not in value and "\n" not in value:
         # One token: an id, an enum, a URL, a single word — patterns only, no NER.
         return "regex"
-    # NER only where a name could be: prose with at least one capital letter.
-    return "full" if _PROSE.search(value) and _UPPER.search(value) else "regex"
+    # NER where a name could be: prose, lower-case prose too ("follow up with patricia
+    # desrosiers" is a name the gazetteer rules find).
+    return "full" if _PROSE.search(value) else "regex"
 
 

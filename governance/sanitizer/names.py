@@ -1,0 +1,173 @@
+"""A multi-country name gazetteer (from the names-dataset package, see data/README.md) and the
+name rules that use it: what a small NER model misses.
+
+The gazetteer never makes a name out of nothing: a word must be a known name AND stand where
+names stand — the model already called it an entity (ORG, NORP, a product...), it is written in
+lower case where the model said PERSON, it is a first name followed by a surname, or it is in
+a list of names ("Kónya, Becker and Vasquez") or a speaker line ("Halldór: What a wife.").
+
+    python -m governance.sanitizer.names build   # rebuild data/*.txt.gz from names-dataset
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import sys
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+
+from governance import recognizers as R
+
+DATA = Path(__file__).parent / "data"
+TOP_RANK = 1000
+
+# English words that are also names somewhere: never a name on the gazetteer's word alone.
+_ENGLISH = frozenset("""
+a an the and or but if of in on at to for from by with as is are was were be been am do does did
+have has had i you he she it we they me him her us them my your his its our their this that these
+those who whom what which when where why how all any both each few more most other some such no
+nor not only own same so than too very can will just should now may might must shall would could
+one two three four five six seven eight nine ten new old good great best first last long little
+big high low next early late young right left back here there then today tomorrow yesterday
+mark bill grace hope joy rose summer autumn winter spring dawn faith chance page lane rich king
+price long hill wood ford cook young brown white black green gray grey golden silver star sky
+love happy sunny honey angel baby lady sir boy girl man woman men women son daughter father
+mother brother sister family friend people person team group company office home house city
+town street road park river lake sea ocean mountain north south east west
+monday tuesday wednesday thursday friday saturday sunday january february march april june july
+august september october november december christmas easter
+hi hello hey dear thanks thank please yes no ok okay sure well also still even ever never always
+see say said tell told ask asked call called want need get got make made take took give gave
+go went come came know knew think thought look looked find found work worked help way day
+time year week month hour minute night morning evening world life hand part place case point
+number name account card order data file line note page item list table view report
+""".split())
+
+
+def _load(kind: str) -> frozenset[str]:
+    with gzip.open(DATA / f"{kind}_names.txt.gz", "rt", encoding="utf-8") as f:
+        return frozenset(w.casefold() for w in f.read().split())
+
+
+@lru_cache(maxsize=1)
+def gazetteer() -> tuple[frozenset[str], frozenset[str]]:
+    """(first names, last names), case-folded."""
+    return _load("first"), _load("last")
+
+
+def is_first(word: str) -> bool:
+    w = word.casefold().strip(".,:;'\"’")
+    return w not in _ENGLISH and w in gazetteer()[0]
+
+
+def is_name(word: str) -> bool:
+    w = word.casefold().strip(".,:;'\"’")
+    first, last = gazetteer()
+    return w not in _ENGLISH and (w in first or w in last)
+
+
+_INITIAL = re.compile(r"[A-Za-z]\.?")
+_PARTICLES = frozenset("van von der den de del della da das do dos di du die ten ter le la y e "
+                       "bin ibn al el".split())
+
+
+def all_names(value: str, need_first: bool = True) -> bool:
+    """Every word a known name (initials and particles aside), the first a first name."""
+    words = [w for w in re.split(r"[\s\-]+", value.strip()) if w]
+    core = [w for w in words if not _INITIAL.fullmatch(w) and w.casefold() not in _PARTICLES]
+    if not core or len(core) > 4:
+        return False
+    if any(w.casefold().strip(".,'’") in R.AGENT_VOCAB or w.casefold().strip(".,'’") in
+           R.ORG_WORDS for w in core):
+        return False
+    if need_first and not is_first(core[0]):
+        return False
+    return all(is_name(w) for w in core)
+
+
+_W = rf"[{R.UP}][{R.LO}'’]+(?:-[{R.UP}][{R.LO}'’]+)?"
+_FIRST_LAST = re.compile(
+    rf"(?<![\w@.])({_W}(?:[ \t]+[{R.UP}]\.?)?"
+    rf"(?:[ \t]+(?:van|von|de|da|di|del|der|ten|le|la)){{0,2}}[ \t]+{_W})(?![\w@])")
+_LIST = re.compile(rf"(?<![\w@.])({_W}(?:[ \t]+{_W})?)(?=[ \t]*(?:,|[ \t]and[ \t]|[ \t]&[ \t]))"
+                   rf"|(?<=[ \t]and[ \t])({_W}(?:[ \t]+{_W})?)(?![\w@])")
+_SPEAKER = re.compile(rf"(?m)^[ \t]*({_W})[ \t]*:(?=[ \t]*\S)")
+_LOWER_CUE = re.compile(
+    r"\b(?i:my name is|name is|name:|i'm|i am|this is|dear|hi|hello|mr\.?|mrs\.?|ms\.?|"
+    r"dr\.?|with|from|to|by|for|of|called|named|contact|customer|client|patient)[ \t]+"
+    r"([a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]+(?:[a-z]\.?[ \t]+)?[a-zà-ÿ][a-zà-ÿ'’\-]+){0,2})")
+_LOWER_LINE = re.compile(r"(?m)^[ \t]*([a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]+[a-z]\.?)?[ \t]+"
+                         r"[a-zà-ÿ][a-zà-ÿ'’\-]+)[ \t]*$")
+
+
+class GazetteerNameRecognizer:
+    """Names the NER model did not call PERSON, found with the gazetteer (see module doc)."""
+
+    name = "name_gazetteer"
+    entity_type = "PERSON"
+
+    def find(self, text: str) -> Iterable[R.Span]:
+        for m in _FIRST_LAST.finditer(text):
+            value = m.group(1)
+            if all_names(value):
+                yield R.Span("PERSON", m.start(1), m.end(1), 0.65, self.name)
+        members = [(m.start(m.lastindex), m.end(m.lastindex), m.group(m.lastindex))
+                   for m in _LIST.finditer(text)]
+        named = [x for x in members if all_names(x[2], need_first=False)]
+        if len(named) >= 2:
+            for start, end, _ in named:
+                yield R.Span("PERSON", start, end, 0.6, "name_list")
+        for m in _SPEAKER.finditer(text):
+            if is_first(m.group(1)) or all_names(m.group(1), need_first=False):
+                yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_speaker")
+        if any(c.islower() for c in text):
+            for rx in (_LOWER_CUE, _LOWER_LINE):
+                for m in rx.finditer(text):
+                    value = m.group(1)
+                    words = value.split()
+                    # Take the longest run of leading words that are all names.
+                    while words and not all_names(" ".join(words), need_first=False):
+                        words.pop()
+                    if words and (len(words) >= 2 or is_first(words[0])):
+                        end = m.start(1) + len(" ".join(words)) if " ".join(words) == \
+                            value[:len(" ".join(words))] else m.end(1)
+                        yield R.Span("PERSON", m.start(1), end, 0.6, "name_lowercase")
+
+
+GAZETTEER_NAMES = GazetteerNameRecognizer()
+
+
+def reclassify_as_person(label: str, value: str) -> bool:
+    """A model entity that is made of known names only: a person the model mislabelled
+    (spaCy's small model calls many unfamiliar names ORG, NORP or PRODUCT)."""
+    if label in ("ORG", "PRODUCT", "WORK_OF_ART", "EVENT", "FAC", "LAW", "CARDINAL"):
+        return all_names(value, need_first=False)
+    if label in ("GPE", "LOC", "NORP"):  # "Berlin", "Swedish" are surnames too: two words
+        return len(value.split()) >= 2 and all_names(value)
+    if label == "PERSON":  # lower-case names the shape rules refuse
+        return all_names(value, need_first=False)
+    return False
+
+
+def build(top_rank: int = TOP_RANK) -> None:  # pragma: no cover - a maintainer's tool
+    import pickle
+
+    import names_dataset  # noqa: F401 - only to find its data files
+
+    root = Path(names_dataset.__file__).parent / "v3"
+    for kind in ("first", "last"):
+        with gzip.open(root / f"{kind}_names.pkl.gz") as f:
+            data = pickle.load(f)  # noqa: S301 - the package's own data file
+        keep = sorted({k for k, v in data.items() if v.get("rank")
+                       and min(v["rank"].values()) <= top_rank and len(k) >= 2 and k.isalpha()})
+        del data
+        with gzip.open(DATA / f"{kind}_names.txt.gz", "wt", encoding="utf-8") as f:
+            f.write("\n".join(keep) + "\n")
+        print(kind, len(keep), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["build"]:
+        build()
