@@ -170,8 +170,11 @@ def sanitizer_for_tenant(tenant: Any) -> Sanitizer:
         if cached is not None and cached[0] == stored:
             return cached[1]
     sanitizer = get_sanitizer().with_policy(policy_for_tenant(tenant))
-    if not isinstance(sanitizer.nlp, LongTextNlp):
-        sanitizer.nlp = LongTextNlp(sanitizer.nlp)
+    # NER runs inside the Presidio analyzer (governance/sanitizer/engine.py), which every
+    # tenant's Sanitizer shares: wrap its pipeline once so texts over max_length are chunked.
+    if not isinstance(sanitizer.analyzer.nlp, LongTextNlp):
+        sanitizer.analyzer.nlp = LongTextNlp(sanitizer.analyzer.nlp)
+    sanitizer.nlp = sanitizer.analyzer.nlp
     with _lock:
         _tenant_sanitizers[tenant.pk] = (stored, sanitizer)
     return sanitizer
