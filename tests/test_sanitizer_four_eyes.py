@@ -21,7 +21,8 @@ def policy_of(tenant) -> dict:
 @pytest.mark.parametrize(("old", "new", "expected"), [
     ({}, {"operators": {"OPENAI_API_KEY": "keep"}}, ["OPENAI_API_KEY: redact -> keep"]),
     ({}, {"operators": {"EMAIL_ADDRESS": "hash"}}, ["EMAIL_ADDRESS: placeholder -> hash"]),
-    ({"operators": {"LOCATION": "redact"}}, {}, ["LOCATION: redact -> placeholder"]),  # override gone
+    # the override gone: back to the default
+    ({"operators": {"LOCATION": "redact"}}, {}, ["LOCATION: redact -> placeholder"]),
     ({}, {"score_threshold": 0.9}, ["score threshold 0.5 -> 0.9 (fewer findings)"]),
     ({"detect_organizations": True}, {}, ["organizations no longer detected"]),
     ({}, {"allow_list": ["Maria"]}, ["allow list: 1 new entry"]),
