@@ -350,6 +350,10 @@ def service_argv(name: str, cfg: ServiceConfig, single_host: bool = False) -> li
             *_tool("gunicorn"), "config.wsgi", "--bind", f"{cfg.host}:{cfg.web_port}",
             "--worker-class", "gthread", *workers, "--graceful-timeout", "10",
             "--timeout", "120", "--access-logfile", cfg.access_log, "--error-logfile", "-",
+            # gunicorn closes an idle keep-alive connection after 2 s by default: a client
+            # polling every 2 s (a progress page, a script waiting for a job) then sends on a
+            # connection the server is closing and gets ECONNRESET. 30 s outlasts such polls.
+            "--keep-alive", "30",
             # Paths only in the access log: a query string may carry a data subject or a
             # raw-read reason (config/gunicorn_logging.py).
             "--logger-class", "config.gunicorn_logging.QuerylessAccessLogger",
