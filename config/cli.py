@@ -419,6 +419,14 @@ def run_service(name: str, extra: list[str]) -> int:
 
 # --- steward up ---------------------------------------------------------------------------
 
+_DECLARE_QUEUES = """
+from kombu import Queue
+from config.celery import app
+with app.connection_for_write() as conn:
+    for name in ("capture", "gpu"):
+        Queue(name).bind(conn.default_channel).declare()
+"""
+
 
 class Launcher:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -528,6 +536,10 @@ class Launcher:
         # 3. Schema, static files, demo tenant + credentials.
         say("migrating the database")
         self._manage("migrate", "--noinput")
+        # Declare the workers' queues once before any worker starts: kombu's SQLAlchemy
+        # transport (the embedded broker) creates its tables on first use, and two workers
+        # starting at once race on that CREATE (one dies with a UniqueViolation).
+        self._manage("shell", "-c", _DECLARE_QUEUES)
         self._manage("collectstatic", "--noinput", "-v", "0")
         self.creds = json.loads(self._manage("bootstrap_demo", "--json").strip().splitlines()[-1])
 
