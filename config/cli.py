@@ -573,6 +573,13 @@ class Launcher:
         ready = self._wait_workers_ready(timeout=WORKER_READY_TIMEOUT)
         self.print_banner(workers_ready=ready)
 
+    def _fail_if_a_child_died(self) -> None:
+        """During start-up a death stops everything (restarts begin once the banner is out)."""
+        dead = self._check_children()
+        if dead is not None:
+            self._report_death(dead)
+            raise StartupError(f"{dead.name} exited during start-up")
+
     def _wait_workers_ready(self, timeout: float) -> bool:
         """Wait until both Celery workers reported in (governance/workers.py: a heartbeat row
         started after this launch). The capture worker loads the sanitizer before its first
@@ -583,10 +590,7 @@ class Launcher:
         say("waiting for the Celery workers (the capture worker loads the sanitizer first)")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            dead = self._check_children()
-            if dead is not None:
-                self._report_death(dead)
-                raise StartupError(f"{dead.name} exited during start-up")
+            self._fail_if_a_child_died()
             try:
                 with psycopg.connect(self.env["DATABASE_URL"], connect_timeout=5) as conn:
                     rows = conn.execute(
@@ -612,10 +616,7 @@ class Launcher:
             headers={"Authorization": f"Bearer {self.creds['proxy_key']}"})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            dead = self._check_children()
-            if dead is not None:
-                self._report_death(dead)
-                raise StartupError(f"{dead.name} exited during start-up")
+            self._fail_if_a_child_died()
             try:
                 with urllib.request.urlopen(req, timeout=5):
                     return
@@ -649,10 +650,7 @@ class Launcher:
         deadline = time.monotonic() + timeout
         pending = dict(ports)
         while pending:
-            dead = self._check_children()
-            if dead is not None:
-                self._report_death(dead)
-                raise StartupError(f"{dead.name} exited during start-up")
+            self._fail_if_a_child_died()
             for name, port in list(pending.items()):
                 if port_accepts(port):
                     del pending[name]

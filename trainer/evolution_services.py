@@ -781,14 +781,9 @@ def record_push_outcome(candidate_id: int, tenant_id: int, task_id: str,
             # share goes on); a person may retry the promotion or roll the candidate back.
             _record_gate(SYSTEM_ACTOR, cand, ev.Decision("promote", False, error,
                                                          {"serving": serving}))
-            cand.status = Candidate.Status.PUSH_FAILED
-            cand.serving = serving
-            cand.reason = (f"promote failed: {error}; production still serves the previous "
-                           "weights")[:4000]
-            cand.save(update_fields=["status", "serving", "reason", "updated_at"])
-            record_event(SYSTEM_ACTOR, "candidate.push_failed", tenant=tenant_id,
-                         object_type="candidate", object_id=cand.pk,
-                         payload={"which": which, "serving": serving})
+            _record_push_failure(cand, Candidate.Status.PUSH_FAILED, "candidate.push_failed",
+                                 f"promote failed: {error}; production still serves the "
+                                 "previous weights", which, serving)
         elif error is None:
             cand.serving = serving
             cand.save(update_fields=["serving", "updated_at"])
@@ -800,15 +795,22 @@ def record_push_outcome(candidate_id: int, tenant_id: int, task_id: str,
                   "restored on production)", hash_reason=True)
         else:
             # Production still serves this candidate's weights: the database says so.
-            cand.status = Candidate.Status.PROMOTED
-            cand.serving = serving
-            cand.reason = (f"rollback failed: {error}; production still serves this "
-                           "candidate's weights")[:4000]
-            cand.save(update_fields=["status", "serving", "reason", "updated_at"])
-            record_event(SYSTEM_ACTOR, "candidate.rollback_failed", tenant=tenant_id,
-                         object_type="candidate", object_id=cand.pk,
-                         payload={"which": which, "serving": serving})
+            _record_push_failure(cand, Candidate.Status.PROMOTED, "candidate.rollback_failed",
+                                 f"rollback failed: {error}; production still serves this "
+                                 "candidate's weights", which, serving)
         return cand.status
+
+
+def _record_push_failure(cand: Candidate, status: str, action: str, reason: str, which: str,
+                         serving: dict) -> None:
+    """A push the engine refused: the status says what production really serves; audited in
+    the caller's transaction."""
+    cand.status = status
+    cand.serving = serving
+    cand.reason = reason[:4000]
+    cand.save(update_fields=["status", "serving", "reason", "updated_at"])
+    record_event(SYSTEM_ACTOR, action, tenant=cand.tenant_id, object_type="candidate",
+                 object_id=cand.pk, payload={"which": which, "serving": serving})
 
 
 def resend_stale_pushes(tenant_id: int) -> int:
