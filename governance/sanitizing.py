@@ -17,13 +17,18 @@ spell the raw value), likewise prompt token ids after a finding in the request; 
 metadata (`steward.tokens.dropped`).
 
 The Sanitizer is loaded once per process (spaCy); tenant policies are cached per tenant and
-rebuilt when the tenant's stored policy changes.
+rebuilt when the tenant's stored policy changes. Detection results are kept per distinct string
+(`AnalysisCache`): a string repeated in a batch, or seen in a recent one, is not analysed again.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import re
 import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -154,10 +159,108 @@ class LongTextNlp:
         return next(iter(self.pipe([text], **kwargs)))
 
 
+# --- detection results, once per distinct string --------------------------------------------
+
+# How many detection results a worker process keeps (about 1 KB each: offsets, types, scores).
+ANALYSIS_CACHE_ENTRIES = 20_000
+
+
+class AnalysisCache:
+    """The analyzer's `analyze_batch` (Presidio recognizers + spaCy NER: most of a step's
+    build time), run once per distinct string: identical strings of a batch are analysed once,
+    and a string seen in a recent batch is not analysed again. Agent traffic repeats itself —
+    the system prompt, the tool descriptions and the whole earlier conversation come with every
+    call, and argument keys and canned tool output recur — so most strings of a busy batch were
+    seen before.
+
+    Sound because detection is a pure function of the string (and the call's options, part of
+    the key): what depends on the trajectory or the tenant (placeholder numbering, name
+    aliases, deny and allow lists) happens after it, in the Sanitizer, on every call. The key
+    is a 128-bit BLAKE2b digest of the string, so the cache holds no text; each hit returns
+    fresh lists, so a caller that edits them cannot change the cached result. Bounded (least
+    recently used out); per process, so a new sanitizer version starts empty."""
+
+    def __init__(self, analyzer: Any, max_entries: int = ANALYSIS_CACHE_ENTRIES) -> None:
+        self._analyzer = analyzer
+        self._max = max_entries
+        self._results: OrderedDict[tuple, Any] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._analyzer, name)
+
+    @staticmethod
+    def _key(text: str, with_ner: bool, options: tuple) -> tuple:
+        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16)
+        return digest.digest(), len(text), bool(with_ner), options
+
+    def analyze_batch(self, texts: Sequence[str], with_ner: Sequence[bool], *args: Any,
+                      **kwargs: Any) -> list[Any]:
+        options = (args, tuple(sorted(kwargs.items())))
+        keys = [self._key(t, w, options) for t, w in zip(texts, with_ner, strict=True)]
+        found: dict[tuple, Any] = {}
+        todo: dict[tuple, int] = {}  # key -> index of its first string
+        with self._cache_lock:
+            for i, key in enumerate(keys):
+                if key in found or key in todo:
+                    continue
+                cached = self._results.get(key)
+                if cached is not None:
+                    self._results.move_to_end(key)
+                    found[key] = cached
+                else:
+                    todo[key] = i
+            self.hits += len(keys) - len(todo)
+            self.misses += len(todo)
+        if todo:
+            first = list(todo.values())
+            results = self._analyzer.analyze_batch([texts[i] for i in first],
+                                                   [with_ner[i] for i in first],
+                                                   *args, **kwargs)
+            fresh = dict(zip(todo, results, strict=True))
+            found.update(fresh)
+            with self._cache_lock:
+                self._results.update(fresh)
+                while len(self._results) > self._max:
+                    self._results.popitem(last=False)
+        return [_fresh(found[key]) for key in keys]
+
+    def clear(self) -> None:
+        with self._cache_lock:
+            self._results.clear()
+
+
+def _fresh(result: Any) -> Any:
+    """A shallow copy of a cached result with its lists copied (spans, spaCy entities)."""
+    out = copy.copy(result)
+    for name, value in vars(out).items():
+        if isinstance(value, list):
+            setattr(out, name, list(value))
+    return out
+
+
 # --- the sanitizer of each tenant, once per process ------------------------------------------
 
 _lock = threading.Lock()
 _tenant_sanitizers: dict[int, tuple[bytes, Sanitizer]] = {}
+_analysis_cache: AnalysisCache | None = None
+
+
+def _shared_analyzer(sanitizer: Sanitizer) -> AnalysisCache:
+    """The process's one AnalysisCache around the analyzer every tenant's Sanitizer shares
+    (its spaCy pipeline wrapped once so texts over max_length are chunked)."""
+    global _analysis_cache
+    analyzer = sanitizer.analyzer
+    if isinstance(analyzer, AnalysisCache):
+        return analyzer
+    with _lock:
+        if _analysis_cache is None or _analysis_cache._analyzer is not analyzer:
+            if not isinstance(analyzer.nlp, LongTextNlp):
+                analyzer.nlp = LongTextNlp(analyzer.nlp)
+            _analysis_cache = AnalysisCache(analyzer)
+        return _analysis_cache
 
 
 def sanitizer_for_tenant(tenant: Any) -> Sanitizer:
@@ -171,9 +274,8 @@ def sanitizer_for_tenant(tenant: Any) -> Sanitizer:
             return cached[1]
     sanitizer = get_sanitizer().with_policy(policy_for_tenant(tenant))
     # NER runs inside the Presidio analyzer (governance/sanitizer/engine.py), which every
-    # tenant's Sanitizer shares: wrap its pipeline once so texts over max_length are chunked.
-    if not isinstance(sanitizer.analyzer.nlp, LongTextNlp):
-        sanitizer.analyzer.nlp = LongTextNlp(sanitizer.analyzer.nlp)
+    # tenant's Sanitizer shares: one AnalysisCache around it for all of them.
+    sanitizer.analyzer = _shared_analyzer(sanitizer)
     sanitizer.nlp = sanitizer.analyzer.nlp
     with _lock:
         _tenant_sanitizers[tenant.pk] = (stored, sanitizer)
@@ -183,6 +285,8 @@ def sanitizer_for_tenant(tenant: Any) -> Sanitizer:
 def clear_cache() -> None:
     with _lock:
         _tenant_sanitizers.clear()
+        if _analysis_cache is not None:
+            _analysis_cache.clear()
 
 
 # --- one batch ---------------------------------------------------------------------------------
