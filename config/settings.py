@@ -263,7 +263,10 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("STEWARD_LOG_LEVEL", "INFO")},
     # pgserver logs every start, attach and pg_ctl call at INFO: noise in every command.
-    "loggers": {"django.db.backends": {"level": "WARNING"}, "pgserver": {"level": "WARNING"}},
+    "loggers": {"django.db.backends": {"level": "WARNING"}, "pgserver": {"level": "WARNING"},
+                # Presidio logs a line at INFO for every string it analyses (the worker runs
+                # at INFO): several lines per captured call.
+                "presidio-analyzer": {"level": "WARNING"}},
 }
 
 # --- HTTPS, cookies, sessions ---------------------------------------------------------------

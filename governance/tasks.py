@@ -9,9 +9,12 @@ the batch, in ONE transaction under that tenant's row-level security scope:
    workers given the same id, or a redelivered message, never build twice);
 2. decrypt each raw payload and parse it (governance.capture.parse_exchange: streams are
    reassembled into the body a non-streamed call returns);
-3. lock the trajectories (SELECT ... FOR UPDATE, in id order) and load their placeholder state;
+3. load the trajectories' placeholder state (no row lock yet);
 4. sanitize every exchange of the batch in ONE `Sanitizer.sanitize_bodies` call
-   (governance/sanitizing.py), each with its trajectory's state, in step order;
+   (governance/sanitizing.py), each with its trajectory's state, in step order; then lock the
+   trajectories (SELECT ... FOR UPDATE, in id order) and sanitize again, under the lock, only
+   those whose state another worker committed meanwhile (`_sanitize_unlocked`) — so the shipper,
+   which updates trajectory rows, never waits for a NER pass;
 5. build each step from the sanitized exchange only (governance.capture.fields_from_exchange) and
    write steps, findings, subject-index rows, the interactions' state and the trajectories'
    state, with the audit event.
@@ -74,15 +77,32 @@ from governance.tenancy import interaction_tenants, tenant_context
 log = logging.getLogger("steward.capture")
 
 
+# One body through the whole sanitizer when a worker starts. Loading it is not enough: its
+# recognizers import and build what they need on first use (phonenumbers' geodata alone took
+# 7 s to import where no bytecode is cached, the country-name tables, Presidio's patterns),
+# which cost every prefork child 9-11 s on its first batch — a lag spike after each start.
+_WARM_UP_BODY = {"model": "warm-up", "messages": [
+    {"role": "system", "content": "You are a support agent."},
+    {"role": "user", "content": "I am Jane Doe, born 1 May 1980, of 12 High Street, Leeds, "
+                                "United Kingdom; call +44 20 7946 0958 or mail "
+                                "jane.doe@example.com, see https://example.com/a."},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {
+            "name": "lookup", "arguments": '{"customer_name": "Jane Doe", "api_key": '
+                                          '"warm-up-not-a-secret"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1",
+     "content": '{"iban": "GB82 WEST 1234 5698 7654 32", "card": "4111 1111 1111 1111"}'}]}
+
+
 @worker_init.connect
 def _preload_sanitizer(**_: Any) -> None:
-    """Load the sanitizer (spaCy, recognizers: seconds) when a worker starts, before it takes
-    a task — in the parent process, so prefork children share it instead of each loading it
-    on its first batch (which would add that load to the capture lag)."""
+    """Load the sanitizer (spaCy, recognizers: seconds) and run it once when a worker starts,
+    before it takes a task — in the parent process, so prefork children share all of it
+    instead of each paying it on its first batch (which would add it to the capture lag)."""
     if getattr(settings, "STEWARD_SANITIZER_PRELOAD", True):
         from governance.sanitizer import get_sanitizer
 
-        get_sanitizer()
+        get_sanitizer().sanitize_bodies([("request", _WARM_UP_BODY)])
 
 ACTOR = "system:capture"
 PENDING_AFTER = timedelta(seconds=60)
@@ -162,6 +182,42 @@ def _sanitize(tenant: Tenant, batch: list[tuple[Interaction, Exchange]],
             # The class only: an exception message could quote the payload.
             failed.append((ia, f"sanitizer failed: {type(exc).__name__}"))
     return ok, failed
+
+
+def _sanitize_unlocked(tenant: Tenant, parsed: list[tuple[Interaction, Exchange]]
+                       ) -> tuple[dict[Any, Trajectory], dict[Any, PlaceholderState],
+                                  list[tuple[Interaction, Sanitized]],
+                                  list[tuple[Interaction, str]]]:
+    """Sanitize the batch from its trajectories' placeholder states WITHOUT their row locks,
+    then lock the trajectories (in id order) for the write. The shipper updates trajectory rows
+    (step counts) with every batch it ships: a lock held across the NER pass (seconds) stalled
+    it — and with it every tenant's capture — behind the sanitizer. A trajectory whose state
+    another worker committed meanwhile (two batches of one trajectory in flight at once, rare)
+    is sanitized again, now under its lock, from the committed state, so placeholder numbering
+    never forks. Returns (locked trajectories, their states after the batch, sanitized,
+    failed)."""
+    if not parsed:
+        return {}, {}, [], []
+    ids = {ia.trajectory_id for ia, _ in parsed}
+    seen = dict(Trajectory.objects.filter(pk__in=ids).values_list("pk", "sanitizer_state"))
+    states = {tid: PlaceholderState.from_json(seen.get(tid)) for tid in ids}
+    sanitized, failed = _sanitize(tenant, parsed, states)
+    trajectories = {t.pk: t for t in Trajectory.objects.select_for_update(of=("self",))
+                    .filter(pk__in=ids).order_by("pk")}
+    stale = {tid for tid, t in trajectories.items()
+             if (t.sanitizer_state or {}) != (seen.get(tid) or {})}
+    if stale:
+        log.info("sanitizer: %d trajectories changed during the batch; sanitizing their "
+                 "exchanges again from the committed state", len(stale))
+        for tid in stale:
+            states[tid] = PlaceholderState.from_json(trajectories[tid].sanitizer_state)
+        again, again_failed = _sanitize(
+            tenant, [(ia, ex) for ia, ex in parsed if ia.trajectory_id in stale], states)
+        sanitized = [(ia, r) for ia, r in sanitized if ia.trajectory_id not in stale] + again
+        failed = [(ia, r) for ia, r in failed if ia.trajectory_id not in stale] + again_failed
+        order = {ia.pk: i for i, (ia, _) in enumerate(parsed)}
+        sanitized.sort(key=lambda pair: order[pair[0].pk])
+    return trajectories, states, sanitized, failed
 
 
 @dataclass
@@ -266,11 +322,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             else:
                 parsed.append((ia, outcome))
 
-        trajectories = {t.pk: t for t in Trajectory.objects.select_for_update(of=("self",))
-                        .filter(pk__in={ia.trajectory_id for ia, _ in parsed}).order_by("pk")}
-        states = {tid: PlaceholderState.from_json(t.sanitizer_state)
-                  for tid, t in trajectories.items()}
-        sanitized, failed = _sanitize(tenant, parsed, states) if parsed else ([], [])
+        trajectories, states, sanitized, failed = _sanitize_unlocked(tenant, parsed)
         for ia, reason in failed:
             quarantine(ia, reason)
 
@@ -340,10 +392,14 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         built = [w.interaction.pk for w in stored]
         findings = [f for w in stored for f in w.findings]
         SubjectIndex.objects.bulk_create(index_rows, batch_size=1000, ignore_conflicts=True)
+        changed = []
         for tid, traj in trajectories.items():
             new_state = states[tid].to_json()
             if new_state != (traj.sanitizer_state or {}):
-                Trajectory.objects.filter(pk=tid).update(sanitizer_state=new_state)
+                traj.sanitizer_state = new_state
+                changed.append(traj)
+        # One UPDATE for the batch (it was one per trajectory).
+        Trajectory.objects.bulk_update(changed, ["sanitizer_state"], batch_size=500)
         done["built"] = built
         ids = done["built"] + done["quarantined"]
         done["coalesced"] = [pk for pk in ids if pk not in requested]
