@@ -510,3 +510,98 @@ def test_end_to_end_through_the_proxy(steward_proxy, proxy_key, make_member, api
     raw = compliance.get(f"/api/v1/trajectories/{traj}/steps/{steps[0]['id']}/raw/"
                          "?reason=audit").json()
     assert EMAIL in raw["request"]["body_text"]
+
+
+class _CountingAnalyzer:
+    """A stand-in analyzer that records which strings it was asked to analyse."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.asked: list[str] = []
+
+    def analyze_batch(self, texts, with_ner, **options):
+        self.asked.extend(texts)
+        return self.real.analyze_batch(texts, with_ner, **options)
+
+
+def test_analysis_cache_analyses_each_distinct_string_once(plain_sanitizer):
+    """Identical strings of a batch, and strings of a recent batch, reach the analyzer once;
+    the results are those of the analyzer itself, and a caller editing them cannot change
+    what later hits get."""
+    from governance.sanitizing import AnalysisCache
+
+    counting = _CountingAnalyzer(plain_sanitizer.analyzer)
+    cache = AnalysisCache(counting, max_entries=3)
+    texts = [f"Call {NAME} at {PHONE}.", "plain words", f"Call {NAME} at {PHONE}."]
+    first = cache.analyze_batch(texts, [True, True, True])
+    assert counting.asked == texts[:2]
+    direct = plain_sanitizer.analyzer.analyze_batch(texts, [True, True, True])
+    assert [(a.spans, a.ents) for a in first] == [(d.spans, d.ents) for d in direct]
+    assert first[0].spans and first[0].spans is not first[2].spans
+    first[0].spans.clear()
+    # Seen before: no analysis; a different option or NER choice is a different result.
+    again = cache.analyze_batch(texts[:1], [True])
+    assert counting.asked == texts[:2] and again[0].spans == direct[0].spans
+    cache.analyze_batch(texts[:1], [False])
+    cache.analyze_batch(texts[:1], [True], organizations=True)
+    assert counting.asked == texts[:2] + texts[:1] * 2
+    # Bounded: the least recently used result goes first.
+    cache.analyze_batch(["plain words"], [True])
+    assert counting.asked[-1] == "plain words" and cache.misses == 5
+
+
+def test_sanitized_batch_is_the_same_with_the_cache(plain_sanitizer):
+    """A batch full of repeats sanitizes exactly as without the cache: placeholders are still
+    numbered per trajectory, in order."""
+    from governance.sanitizing import AnalysisCache
+
+    exchanges = [parse_exchange(
+        endpoint="chat.completions", request_body=json.dumps({"model": "m", "messages": [
+            {"role": "system", "content": f"You help {NAME} ({EMAIL})."},
+            {"role": "user", "content": f"Call {'Tom Baker' if i % 2 else NAME} at {PHONE}"}]})
+        .encode(), response_body=json.dumps(chat_response(f"Done, {NAME}.")).encode(),
+        response_status=200, is_stream=False) for i in range(4)]
+
+    def run(sanitizer):
+        states = [PlaceholderState(), PlaceholderState()]
+        return sanitize_exchanges(sanitizer, [(ex, states[i // 2])
+                                              for i, ex in enumerate(exchanges)])
+
+    plain = run(plain_sanitizer)
+    cached_sanitizer = plain_sanitizer.with_policy(plain_sanitizer.policy)
+    cached_sanitizer.analyzer = AnalysisCache(plain_sanitizer.analyzer)
+    cached = run(cached_sanitizer)
+    assert [r.exchange for r in cached] == [r.exchange for r in plain]
+    assert [r.findings for r in cached] == [r.findings for r in plain]
+    assert cached_sanitizer.analyzer.hits > cached_sanitizer.analyzer.misses
+
+
+def test_a_state_committed_during_the_ner_pass_is_not_overwritten(tenant, agent, tmp_path,
+                                                                    monkeypatch):
+    """The trajectories are not locked across the NER pass; when another worker commits a
+    trajectory's placeholder state meanwhile, the batch is sanitized again from that state
+    (numbering continues, never forks) and the state written keeps both."""
+    from governance import tasks
+
+    traj = str(uuid.uuid4())
+    real = tasks._sanitize
+    calls: list[int] = []
+
+    def racing(tenant_obj, batch, states):
+        out = real(tenant_obj, batch, states)
+        if not calls:  # another worker built an earlier step of the trajectory meanwhile
+            other = PlaceholderState()
+            other.label("EMAIL_ADDRESS", "someone.else@example.org", b"k")
+            Trajectory.objects.filter(pk=traj).update(sanitizer_state=other.to_json())
+        calls.append(len(batch))
+        return out
+
+    monkeypatch.setattr(tasks, "_sanitize", racing)
+    rec = make_record(tenant.pk, agent.pk, trajectory_id=traj, request={
+        "model": "m", "messages": [{"role": "user", "content": f"mail {EMAIL}"}]},
+        response=chat_response("ok"))
+    ship_and_build(tmp_path / "spool", [rec])
+    assert calls == [1, 1]
+    step = Step.objects.get(pk=rec["step_id"])
+    assert step.observation["messages"][0]["content"] == "mail <EMAIL_ADDRESS_2>"
+    assert Trajectory.objects.get(pk=traj).sanitizer_state["counters"]["EMAIL_ADDRESS"] == 2
