@@ -102,7 +102,11 @@ def _preload_sanitizer(**_: Any) -> None:
     if getattr(settings, "STEWARD_SANITIZER_PRELOAD", True):
         from governance.sanitizer import get_sanitizer
 
-        get_sanitizer().sanitize_bodies([("request", _WARM_UP_BODY)])
+        sanitizer = get_sanitizer()
+        try:
+            sanitizer.sanitize_bodies([("request", _WARM_UP_BODY)])
+        except Exception:  # a warm-up only: a batch that fails is quarantined, not the worker
+            log.exception("sanitizer: the warm-up run failed")
 
 ACTOR = "system:capture"
 PENDING_AFTER = timedelta(seconds=60)
