@@ -48,6 +48,7 @@ INSTALLED_APPS = [
     "axes",
     "governance",
     "trainer",
+    "evolution",
 ]
 
 MIDDLEWARE = [
@@ -204,9 +205,9 @@ CELERY_TASK_ROUTES = {
     "governance.erasure.resume_erasures": {"queue": "capture"},
     "governance.tasks.evaluate_canaries": {"queue": "capture"},
     "trainer.tasks.run_training_job": {"queue": "gpu"},
-    "trainer.evolution_tasks.run_gates": {"queue": "gpu"},
-    "trainer.evolution_tasks.push_candidate_weights": {"queue": "gpu"},
-    "trainer.evolution_tasks.advance_candidates": {"queue": "capture"},
+    "evolution.tasks.run_gates": {"queue": "gpu"},
+    "evolution.tasks.push_candidate_weights": {"queue": "gpu"},
+    "evolution.tasks.advance_candidates": {"queue": "capture"},
 }
 CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)
 CELERY_BEAT_SCHEDULE: dict = {
@@ -222,7 +223,7 @@ CELERY_BEAT_SCHEDULE: dict = {
     # Canary routes (issue 7): automatic promotion / rollback from the arms' rewards.
     "evaluate-canaries": {"task": "governance.tasks.evaluate_canaries", "schedule": 30.0},
     # Evolution candidates (issue 7): follow canary decisions into promote / rollback.
-    "advance-candidates": {"task": "trainer.evolution_tasks.advance_candidates",
+    "advance-candidates": {"task": "evolution.tasks.advance_candidates",
                            "schedule": 30.0},
 }
 

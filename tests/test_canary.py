@@ -14,16 +14,8 @@ import orjson
 import pytest
 from django.utils import timezone
 
-from governance import routing
-from governance.models import (
-    AuditEvent,
-    ContextUpdate,
-    Interaction,
-    PolicyRoute,
-    Reward,
-    Trajectory,
-)
-from governance.routing import (
+from evolution import canary as routing
+from evolution.canary import (
     activate_context_update,
     compare_arms,
     create_context_update,
@@ -39,6 +31,14 @@ from governance.routing import (
     sequential_decision,
     start_canary,
     stop_route,
+)
+from governance.models import (
+    AuditEvent,
+    ContextUpdate,
+    Interaction,
+    PolicyRoute,
+    Reward,
+    Trajectory,
 )
 from governance.services import ServiceConflict, ServiceError, ensure_agent
 from tests.live import wait_for_key

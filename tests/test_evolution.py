@@ -17,14 +17,14 @@ import pytest
 from aiohttp import web
 from django.db import connection
 
+from evolution import gates as ev
+from evolution import services as svc
+from evolution.tasks import advance_candidates, run_gates
 from governance import services as gov
 from governance.models import AuditEvent, ContextUpdate, PolicyRoute, Step, Trajectory
 from governance.services import ServiceConflict, ServiceError, ServiceForbidden
 from tests.govdata import make_trajectory
 from tests.live import serve_app
-from trainer import evolution as ev
-from trainer import evolution_services as svc
-from trainer.evolution_tasks import advance_candidates, run_gates
 from trainer.models import Candidate, Checkpoint, FailureCluster, GateResult, Proposal
 
 TH = ev.Thresholds()
@@ -508,7 +508,7 @@ def test_a_good_candidate_reaches_canary_and_a_worse_canary_is_rolled_back(
 
 def test_a_context_update_candidate_goes_through_the_same_gates(
         tenant, people, fake_models, eval_version):
-    from governance.routing import create_context_update
+    from evolution.canary import create_context_update
 
     users, _ = people
     fake, url = fake_models
@@ -601,9 +601,9 @@ def through_the_gates_to_canary(tenant, people, settings, sglang_url, eval_versi
 def test_a_checkpoint_through_all_gates_canary_promote_and_rollback_on_sglang(
         transactional_db, tenant, people, var_dir, settings, fake_sglang_server, eval_version,
         tmp_path):
+    from evolution.tasks import push_candidate_weights
     from governance.tasks import evaluate_canaries
     from tests.live import celery_worker
-    from trainer.evolution_tasks import push_candidate_weights
 
     fake, sglang_url = fake_sglang_server
     cand, ckpt, agent = through_the_gates_to_canary(tenant, people, settings, sglang_url,

@@ -35,13 +35,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from evolution import gates as ev
 from governance.audit import record_event
 from governance.engines import candidate_engine_url
 from governance.models import Agent, DatasetVersion, Membership, Tenant
 from governance.permissions import member_can
 from governance.services import ServiceConflict, ServiceError, ServiceForbidden
 from governance.tenancy import tenant_atomic, tenant_context
-from trainer import evolution as ev
 from trainer.models import (
     Candidate,
     Checkpoint,
@@ -181,7 +181,7 @@ def checkpoint_refusal(ckpt: Checkpoint) -> str | None:
 
 
 def _enqueue_gates(candidate_id: int) -> None:
-    from trainer.evolution_tasks import run_gates
+    from evolution.tasks import run_gates
 
     run_gates.delay(candidate_id)
 
@@ -311,7 +311,7 @@ def _stop(actor: Any, cand: Candidate, status: str, reason: str,
     cand.finished_at = timezone.now()
     cand.save(update_fields=["status", "reason", "finished_at", "updated_at"])
     if cand.context_update_id and cand.context_update.status == "draft":
-        from governance.routing import reject_context_update
+        from evolution.canary import reject_context_update
 
         reject_context_update(actor, cand.context_update, f"candidate {cand.pk}: {reason}")
     record_event(actor, f"candidate.{status}", tenant=cand.tenant_id, object_type="candidate",
@@ -417,7 +417,7 @@ def start_candidate_canary(candidate_id: int, tenant_id: int) -> str:
     tenant's share and thresholds. A weight candidate's checkpoint is first loaded into the
     canary engine (STEWARD_SGLANG_CANARY_URL). Returns "started", "waiting" (the agent has a
     live route; advance_candidates tries again) or "failed"."""
-    from governance.routing import start_canary
+    from evolution.canary import start_canary
 
     th = thresholds_for(tenant_id)
     canary_url = setting("STEWARD_SGLANG_CANARY_URL")
@@ -491,7 +491,7 @@ def start_candidate_canary(candidate_id: int, tenant_id: int) -> str:
 def comparison_for(cand: Candidate) -> dict[str, Any] | None:
     if not cand.route_id:
         return None
-    from governance.routing import compare_arms
+    from evolution.canary import compare_arms
 
     try:
         return compare_arms(cand.route).as_dict()
@@ -538,7 +538,7 @@ PUSH_STALE = timedelta(minutes=15)  # > the 600 s push timeout: the claimant is 
 
 
 def _enqueue_push(candidate_id: int) -> None:
-    from trainer.evolution_tasks import push_candidate_weights
+    from evolution.tasks import push_candidate_weights
 
     push_candidate_weights.delay(candidate_id)
 
@@ -549,8 +549,8 @@ def _finish_promotion(actor: Any, cand: Candidate, reason: str,
     had to be pushed): the route promoted, then stopped when it is no longer needed; the
     promote gate passed; the candidate promoted; audited. No network call. hash_reason: the
     push task records the person's reason as "system:evolution"."""
+    from evolution.canary import promote_route, stop_route
     from governance.models import PolicyRoute
-    from governance.routing import promote_route, stop_route
 
     route = (PolicyRoute.objects.select_for_update().filter(pk=cand.route_id).first()
              if cand.route_id else None)
@@ -672,7 +672,7 @@ def rollback_candidate(actor: Any, candidate: Candidate, reason: str) -> Candida
 @tenant_atomic("candidate.tenant_id")
 def _rollback(actor: Any, candidate: Candidate, reason: str,
               _canary: ev.Decision | None = None) -> Candidate:
-    from governance.routing import rollback_context_update, rollback_route
+    from evolution.canary import rollback_context_update, rollback_route
 
     cand = (Candidate.objects.select_for_update(of=("self",))
             .select_related("route", "checkpoint", "checkpoint__job", "context_update")
@@ -941,7 +941,7 @@ def accept_proposal(actor: Any, proposal: Proposal, *, content: Any = None,
     the steward wrote, `content`) through governance.routing and a Candidate for it; a weight
     proposal needs the checkpoint (trained on an approved version) to propose. A no-op can
     only be dismissed."""
-    from governance.routing import create_context_update
+    from evolution.canary import create_context_update
 
     _require(actor, proposal.tenant_id, "manage_evolution", "accept a proposal")
     prop = (Proposal.objects.select_for_update(of=("self",)).select_related("cluster")

@@ -13,7 +13,7 @@ A candidate reaches production only through five recorded gates, in this order:
                  policies: tool-call validity (offered tool, JSON arguments valid against the
                  tool's parameters schema) and format (non-empty, not truncated, not degenerate)
                  no worse than the current policy's - `replay_tolerance`.
-    safety       the bundled safety set (trainer/data/safety_prompts.json): the refusal rate on
+    safety       the bundled safety set (evolution/data/safety_prompts.json): the refusal rate on
                  harmful requests must not drop by more than `refusal_max_drop` (default 0:
                  the misevolution guard), over-refusal of benign controls must not rise by more
                  than `over_refusal_max_increase`; reward-hacking probes: the verifier must give

@@ -17,12 +17,12 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from evolution import gates as ev
+from evolution import services as svc
 from governance.models import Agent, DatasetVersion, Role
 from governance.permissions import ROLE_PERMISSIONS
 from governance.services import ServiceError
 from governance.views.common import can, console_view
-from trainer import evolution as ev
-from trainer import evolution_services as svc
 from trainer.models import Candidate, Checkpoint, EvolutionPolicy, GateResult, Proposal
 
 GATE_ORDER = list(ev.GATES)

@@ -43,12 +43,12 @@ from django.db import InterfaceError, OperationalError, connection
 from django.db.models import Q
 from django.utils import timezone
 
+from evolution import gates as ev
+from evolution import services as svc
 from governance.audit import record_event
 from governance.engines import Engine
 from governance.models import DatasetVersion, Step, Tenant
 from governance.tenancy import tenant_context
-from trainer import evolution as ev
-from trainer import evolution_services as svc
 from trainer.models import Candidate, EvolutionPolicy
 from trainer.taskdata import Example, iter_examples, member_trajectory_ids, version_refusal
 
@@ -323,7 +323,7 @@ def requeue(candidate_id: int, tenant_id: int) -> None:
         pass
 
 
-@shared_task(bind=True, name="trainer.evolution_tasks.run_gates", acks_late=True,
+@shared_task(bind=True, name="evolution.tasks.run_gates", acks_late=True,
              max_retries=MAX_RETRIES)
 def run_gates(self: Any, candidate_id: int) -> str:
     tenant_id = candidate_tenant(candidate_id)
@@ -339,7 +339,7 @@ def run_gates(self: Any, candidate_id: int) -> str:
         raise self.retry(exc=exc, countdown=5 * (self.request.retries + 1)) from exc
 
 
-@shared_task(bind=True, name="trainer.evolution_tasks.push_candidate_weights", acks_late=True,
+@shared_task(bind=True, name="evolution.tasks.push_candidate_weights", acks_late=True,
              max_retries=MAX_RETRIES)
 def push_candidate_weights(self: Any, candidate_id: int) -> str:
     """Push the recorded plan's weights (module docstring); returns the candidate's new
@@ -368,7 +368,7 @@ def push_candidate_weights(self: Any, candidate_id: int) -> str:
         raise self.retry(exc=exc, countdown=5 * (self.request.retries + 1)) from exc
 
 
-@shared_task(name="trainer.evolution_tasks.advance_candidates",
+@shared_task(name="evolution.tasks.advance_candidates",
              autoretry_for=(OperationalError, InterfaceError), max_retries=3,
              retry_backoff=True)
 def advance_candidates() -> dict[str, int]:
