@@ -38,10 +38,11 @@ from typing import Any
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from evolution.models import ContextUpdate, PolicyRoute
 from governance.audit import record_event
 from governance.datasets import latest_reward_value
 from governance.engines import candidate_engine_url
-from governance.models import Agent, ContextUpdate, Interaction, PolicyRoute, Tenant, Trajectory
+from governance.models import Agent, Interaction, Tenant, Trajectory
 from governance.services import ServiceConflict, ServiceError
 from governance.tenancy import tenant_atomic, tenant_context
 

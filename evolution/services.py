@@ -36,21 +36,21 @@ from django.db.models import Q
 from django.utils import timezone
 
 from evolution import gates as ev
-from governance.audit import record_event
-from governance.engines import candidate_engine_url
-from governance.models import Agent, DatasetVersion, Membership, Tenant
-from governance.permissions import member_can
-from governance.services import ServiceConflict, ServiceError, ServiceForbidden
-from governance.tenancy import tenant_atomic, tenant_context
-from trainer.models import (
+from evolution.models import (
     Candidate,
-    Checkpoint,
     EvolutionPolicy,
     FailureCluster,
     GateResult,
     Proposal,
     UpdateKind,
 )
+from governance.audit import record_event
+from governance.engines import candidate_engine_url
+from governance.models import Agent, DatasetVersion, Membership, Tenant
+from governance.permissions import member_can
+from governance.services import ServiceConflict, ServiceError, ServiceForbidden
+from governance.tenancy import tenant_atomic, tenant_context
+from trainer.models import Checkpoint
 from trainer.taskdata import version_refusal
 
 SYSTEM_ACTOR = "system:evolution"
@@ -198,7 +198,7 @@ def propose_candidate(actor: Any, tenant: Tenant, *, agent: Agent | int,
     tool_schema for tool definitions). Refused (ServiceForbidden / ServiceConflict, with the
     reason) for a tainted checkpoint or one whose dataset version was invalidated.
     Its gates run in the Celery task enqueued when this transaction commits."""
-    from governance.models import ContextUpdate
+    from evolution.models import ContextUpdate
 
     _require(actor, tenant.pk, "manage_evolution", "propose a candidate")
     agent_obj = Agent.objects.for_tenant(tenant).filter(pk=getattr(agent, "pk", agent)).first()
@@ -550,7 +550,7 @@ def _finish_promotion(actor: Any, cand: Candidate, reason: str,
     promote gate passed; the candidate promoted; audited. No network call. hash_reason: the
     push task records the person's reason as "system:evolution"."""
     from evolution.canary import promote_route, stop_route
-    from governance.models import PolicyRoute
+    from evolution.models import PolicyRoute
 
     route = (PolicyRoute.objects.select_for_update().filter(pk=cand.route_id).first()
              if cand.route_id else None)

@@ -45,11 +45,11 @@ from django.utils import timezone
 
 from evolution import gates as ev
 from evolution import services as svc
+from evolution.models import Candidate, EvolutionPolicy
 from governance.audit import record_event
 from governance.engines import Engine
 from governance.models import DatasetVersion, Step, Tenant
 from governance.tenancy import tenant_context
-from trainer.models import Candidate, EvolutionPolicy
 from trainer.taskdata import Example, iter_examples, member_trajectory_ids, version_refusal
 
 log = logging.getLogger("steward.evolution")

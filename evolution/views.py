@@ -19,11 +19,12 @@ from django.views.decorators.http import require_POST
 
 from evolution import gates as ev
 from evolution import services as svc
+from evolution.models import Candidate, EvolutionPolicy, GateResult, Proposal
 from governance.models import Agent, DatasetVersion, Role
 from governance.permissions import ROLE_PERMISSIONS
 from governance.services import ServiceError
 from governance.views.common import can, console_view
-from trainer.models import Candidate, Checkpoint, EvolutionPolicy, GateResult, Proposal
+from trainer.models import Checkpoint
 
 GATE_ORDER = list(ev.GATES)
 # A candidate whose gates are still being decided: its page polls (candidate.html#live).

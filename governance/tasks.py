@@ -452,7 +452,7 @@ def evaluate_canaries(route_ids: list[int] | None = None) -> dict[str, int]:
     each decision claims the route with a conditional update on its status, so a redelivered
     message, an overlapping run or a person deciding meanwhile changes nothing twice."""
     from evolution.canary import canary_tenants, evaluate_route
-    from governance.models import PolicyRoute
+    from evolution.models import PolicyRoute
 
     outcomes: Counter[str] = Counter()
     for tenant_id in canary_tenants():

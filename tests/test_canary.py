@@ -32,14 +32,8 @@ from evolution.canary import (
     start_canary,
     stop_route,
 )
-from governance.models import (
-    AuditEvent,
-    ContextUpdate,
-    Interaction,
-    PolicyRoute,
-    Reward,
-    Trajectory,
-)
+from evolution.models import ContextUpdate, PolicyRoute
+from governance.models import AuditEvent, Interaction, Reward, Trajectory
 from governance.services import ServiceConflict, ServiceError, ensure_agent
 from tests.live import wait_for_key
 from tests.welch import student_t_two_sided_p, welch_p, welch_t_test

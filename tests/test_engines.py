@@ -10,14 +10,13 @@ import pytest
 from aiohttp import web
 
 from evolution import services as svc
+from evolution.models import Candidate, EvolutionPolicy, PolicyRoute
 from evolution.tasks import run_gates
 from governance import services as gov
-from governance.models import PolicyRoute
 from governance.services import ServiceError
 from proxy.engines import EngineError, Engines, validate_http_url
 from tests.live import serve_app
 from tests.test_evolution import FakeModels, tiny_checkpoint, var_dir  # noqa: F401 - fixture
-from trainer.models import Candidate, EvolutionPolicy
 
 HOSTILE_URLS = ["file:///etc/passwd", "gopher://127.0.0.1:6379/_FLUSHALL", "ftp://x/y",
                 "javascript:alert(1)", "http:///no-host", "http://user:pw@engine:30000",

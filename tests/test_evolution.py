@@ -19,13 +19,21 @@ from django.db import connection
 
 from evolution import gates as ev
 from evolution import services as svc
+from evolution.models import (
+    Candidate,
+    ContextUpdate,
+    FailureCluster,
+    GateResult,
+    PolicyRoute,
+    Proposal,
+)
 from evolution.tasks import advance_candidates, run_gates
 from governance import services as gov
-from governance.models import AuditEvent, ContextUpdate, PolicyRoute, Step, Trajectory
+from governance.models import AuditEvent, Step, Trajectory
 from governance.services import ServiceConflict, ServiceError, ServiceForbidden
 from tests.govdata import make_trajectory
 from tests.live import serve_app
-from trainer.models import Candidate, Checkpoint, FailureCluster, GateResult, Proposal
+from trainer.models import Checkpoint
 
 TH = ev.Thresholds()
 

@@ -358,7 +358,8 @@ def wait_for_model(client, server, model: str, timeout: float = 10.0) -> None:
 def test_share_and_stickiness_end_to_end(world, start_proxy, fake_upstream, candidate_upstream,
                                          tmp_path):
     from evolution.canary import start_canary
-    from governance.models import PolicyRoute, Step, Trajectory
+    from evolution.models import PolicyRoute
+    from governance.models import Step, Trajectory
     from tests.pipeline import ship_and_build
 
     acme, _, keys = world
@@ -559,7 +560,7 @@ def test_a_route_to_an_engine_the_operator_did_not_list_is_not_followed(
     """A route row naming any other host (written before the allow-list, or straight into the
     table) sends nothing there: the calls stay on the control upstream, unchanged."""
     from evolution.canary import start_canary
-    from governance.models import PolicyRoute
+    from evolution.models import PolicyRoute
     from proxy.demo_upstream import start_in_thread
 
     rogue = start_in_thread()
