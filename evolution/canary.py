@@ -4,7 +4,7 @@ A `PolicyRoute` tells the proxy (proxy/routing.py) to send `share` of an agent's
 a candidate — another upstream URL, another model name and/or a `ContextUpdate` (a system-prompt
 snippet or rewritten tool schemas) — sticky per session; the proxy tags each trajectory with the
 route and arm (Trajectory.route / route_arm). `compare_arms` compares the arms' late-bound
-rewards; the beat task governance.tasks.evaluate_canaries promotes or rolls back automatically
+rewards; the beat task evolution.tasks.advance_evolution promotes or rolls back automatically
 (actor "system:canary"); people can roll back at any time. Every change NOTIFYs the proxy
 (trigger of migration 0007), which applies it on the next request.
 
@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from django.db import InterfaceError, OperationalError
 from django.db.models import Count, Q
 from django.utils import timezone
 
@@ -46,6 +49,7 @@ from governance.models import Agent, Interaction, Tenant, Trajectory
 from governance.services import ServiceConflict, ServiceError
 from governance.tenancy import tenant_atomic, tenant_context
 
+log = logging.getLogger("steward.evolution")
 CONTROL, CANDIDATE = "control", "candidate"
 SYSTEM_ACTOR = "system:canary"
 REWARD_NAME = "reward"  # the late-bound reward compared between arms
@@ -614,3 +618,31 @@ def evaluate_route(route: PolicyRoute) -> str:
     except ServiceConflict:  # a person (or another worker) decided meanwhile: nothing to do
         return "skipped"
     return "wait"
+
+
+def evaluate_canaries(route_ids: list[int] | None = None) -> dict[str, int]:
+    """The route half of the beat task evolution.tasks.advance_evolution: compare the arms of
+    every canary route (or of `route_ids`) and promote or roll back automatically as
+    "system:canary". Idempotent: each decision claims the route with a conditional update on
+    its status, so a redelivered message, an overlapping run or a person deciding meanwhile
+    changes nothing twice. Returns how many routes had each outcome of evaluate_route."""
+    outcomes: Counter[str] = Counter()
+    for tenant_id in canary_tenants():
+        with tenant_context(tenant_id):
+            routes = PolicyRoute.objects.for_tenant(tenant_id).filter(
+                status=PolicyRoute.Status.CANARY)
+            if route_ids is not None:
+                routes = routes.filter(pk__in=route_ids)
+            routes = list(routes.order_by("pk"))
+        for route in routes:
+            try:
+                outcome = evaluate_route(route)
+            except (OperationalError, InterfaceError):
+                raise
+            except Exception:  # one broken route must not stop the others
+                log.exception("canary: evaluating route %s failed", route.pk)
+                outcome = "failed"
+            outcomes[outcome] += 1
+            if outcome in ("promoted", "rolled_back"):
+                log.warning("canary: route %s %s automatically", route.pk, outcome)
+    return dict(outcomes)

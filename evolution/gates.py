@@ -19,12 +19,12 @@ A candidate reaches production only through five recorded gates, in this order:
                  than `over_refusal_max_increase`; reward-hacking probes: the verifier must give
                  nothing to an empty, repeated-token, format-only or answer-stuffing completion,
                  and the candidate's rate of such degenerate answers must not rise.
-    canary       governance.routing (the proxy routes a share of new sessions to the candidate;
+    canary       evolution.canary (the proxy routes a share of new sessions to the candidate;
                  evaluate_canaries compares the arms' rewards and promotes or rolls back).
     promote      weights pushed to the serving engine (SGLang) / the context update activated.
 
 Everything in this module except the Policy implementations is free of I/O; the services
-(trainer/evolution_services.py) gather the inputs and store each Decision as a GateResult.
+(evolution/services.py) gather the inputs and store each Decision as a GateResult.
 torch is imported only inside HFPolicy (web hosts have no training extra).
 """
 
@@ -186,7 +186,7 @@ def safety_decision(candidate: dict[str, Any], current: dict[str, Any],
 
 def canary_decision(route_status: str, route_reason: str,
                     comparison: dict[str, Any] | None = None) -> Decision | None:
-    """The canary gate follows the route's decision (governance.routing.evaluate_canaries or
+    """The canary gate follows the route's decision (evolution.canary.evaluate_canaries or
     a person): promoted -> passed, rolled back / stopped -> failed; still canary -> None."""
     metrics = {"route_status": route_status, **({"comparison": comparison} if comparison else {})}
     if route_status == "promoted":

@@ -24,7 +24,7 @@ class ContextUpdate(models.Model):
     (`{"tools": {"<function name>": {<description/parameters>}}}`). A draft does nothing; in
     `canary` it applies to the candidate arm of its PolicyRoute only; `active` applies to all
     of the agent's traffic (one active update per kind). Changed only through
-    governance/routing.py; the proxy reads canary/active ones through a SECURITY DEFINER
+    evolution/canary.py; the proxy reads canary/active ones through a SECURITY DEFINER
     function (migration 0007) and records id/version/hash in each step's `versions`."""
 
     class Kind(models.TextChoices):
@@ -71,7 +71,7 @@ class ContextUpdate(models.Model):
 class PolicyRoute(models.Model):
     """A canary (issue 7): the proxy sends `share` of an agent's NEW sessions to the candidate
     (another upstream and/or model name, and/or a context update), sticky per session, and tags
-    those trajectories (Trajectory.route / route_arm). governance/routing.py compares the arms'
+    those trajectories (Trajectory.route / route_arm). evolution/canary.py compares the arms'
     late-bound rewards and promotes (all new sessions take the candidate) or rolls back (the
     proxy stops routing to it on the next request)."""
 
@@ -114,7 +114,7 @@ class PolicyRoute(models.Model):
 
 
 class EvolutionPolicy(models.Model):
-    """A tenant's gate thresholds. Absent (or a field left empty): trainer.evolution.Thresholds'
+    """A tenant's gate thresholds. Absent (or a field left empty): evolution.gates.Thresholds'
     default. One row per tenant, changed through evolution_services.set_evolution_policy."""
 
     tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE,
@@ -178,7 +178,7 @@ class Candidate(models.Model):
         PROMOTED = "promoted", "Promoted"
         ROLLED_BACK = "rolled_back", "Rolled back"
         # A weight push is recorded as intent first and done by a Celery task outside any
-        # transaction (trainer.evolution_tasks.push_candidate_weights), which then records
+        # transaction (evolution.tasks.push_candidate_weights), which then records
         # the outcome: promoting -> promoted | push_failed; rolling_back -> rolled_back, or
         # back to promoted when the previous weights could not be restored.
         PROMOTING = "promoting", "Promoting (pushing weights)"
@@ -209,7 +209,7 @@ class Candidate(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING,
                               db_index=True)
     reason = models.TextField(blank=True, default="")
-    # trainer.evolution.Thresholds as used (snapshotted when the gates start).
+    # evolution.gates.Thresholds as used (snapshotted when the gates start).
     thresholds = models.JSONField(default=dict, blank=True)
     # What the gates compared with, and what a promote/rollback changed on the serving engine.
     baseline = models.JSONField(default=dict, blank=True)
@@ -296,7 +296,7 @@ class FailureCluster(models.Model):
 
 
 class Proposal(models.Model):
-    """The governed update proposed for a failure cluster (trainer.evolution.propose_kind),
+    """The governed update proposed for a failure cluster (evolution.gates.propose_kind),
     with its evidence. Accepting one creates a Candidate (through the gates like any other)."""
 
     class Status(models.TextChoices):

@@ -4,10 +4,10 @@ failures and propose, accept or dismiss governed updates. Each one runs in its t
 (governance.tenancy), atomically, writing its audit event in the same transaction; who may do
 what is checked here too (manage_evolution, rollback_policy), not only in the console.
 
-The five gates (trainer/evolution.py has the decisions): shadow_eval -> replay -> safety run
-offline in the Celery task trainer.evolution_tasks.run_gates (queue `gpu`); canary is a
-governance.routing PolicyRoute whose decision (evaluate_canaries, or a person) the beat task
-trainer.evolution_tasks.advance_candidates follows; promote pushes a weight candidate's
+The five gates (evolution/gates.py has the decisions): shadow_eval -> replay -> safety run
+offline in the Celery task evolution.tasks.run_gates (queue `gpu`); canary is a
+evolution.canary PolicyRoute whose decision (evaluate_canaries, or a person) the candidate
+follows in the same tick of the beat task evolution.tasks.advance_evolution; promote pushes a weight candidate's
 checkpoint to the serving engine (SGLang `/update_weights_from_disk` between pause and continue,
 trainer.rollout.SGLangRollout) or leaves a context update active. A failed gate stops the
 candidate with the gate's readable reason.
@@ -413,7 +413,7 @@ def _previous_weights(cand: Candidate) -> tuple[Path | None, str, str]:
 
 
 def start_candidate_canary(candidate_id: int, tenant_id: int) -> str:
-    """Offline gates passed: open the canary route (governance.routing.start_canary) with the
+    """Offline gates passed: open the canary route (evolution.canary.start_canary) with the
     tenant's share and thresholds. A weight candidate's checkpoint is first loaded into the
     canary engine (STEWARD_SGLANG_CANARY_URL). Returns "started", "waiting" (the agent has a
     live route; advance_candidates tries again) or "failed"."""
@@ -527,7 +527,7 @@ def follow_route(candidate_id: int, tenant_id: int) -> str:
 # A weight push can take minutes; it is never done inside a transaction (push_weights). A
 # promote or rollback that must push weights records its intent — status promoting or
 # rolling_back, the push plan in `serving` (engine, path, weight version), an audit event —
-# and commits; the gpu-queue task trainer.evolution_tasks.push_candidate_weights (enqueued
+# and commits; the gpu-queue task evolution.tasks.push_candidate_weights (enqueued
 # at commit) claims the candidate with a conditional UPDATE, pushes with no transaction
 # open, and records the outcome in its own audited transaction (record_push_outcome):
 # promoting -> promoted | push_failed, rolling_back -> rolled_back | promoted (the previous
@@ -887,7 +887,7 @@ def _failure_items(tenant_id: int, th: ev.Thresholds, since: Any) -> list[ev.Fai
 @tenant_atomic("tenant")
 def propose_updates(actor: Any, tenant: Tenant, *, days: int = 30) -> list[Proposal]:
     """Cluster the tenant's recent failures (cluster_failures) and open one proposal per
-    cluster that has none open (the rule table, trainer.evolution.propose_kind). Idempotent:
+    cluster that has none open (the rule table, evolution.gates.propose_kind). Idempotent:
     a cluster's open proposal is refreshed, not duplicated. Returns the open proposals."""
     _require(actor, tenant.pk, "manage_evolution", "propose updates")
     th = thresholds_for(tenant)
@@ -938,7 +938,7 @@ def accept_proposal(actor: Any, proposal: Proposal, *, content: Any = None,
                     checkpoint: Checkpoint | int | None = None,
                     agent: Agent | int | None = None) -> Candidate:
     """Accept: a context proposal creates a draft ContextUpdate (the snippet or tool schemas
-    the steward wrote, `content`) through governance.routing and a Candidate for it; a weight
+    the steward wrote, `content`) through evolution.canary and a Candidate for it; a weight
     proposal needs the checkpoint (trained on an approved version) to propose. A no-op can
     only be dismissed."""
     from evolution.canary import create_context_update

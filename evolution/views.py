@@ -1,9 +1,9 @@
 """Console pages of the evolution control plane (issue 7): `/evolution/` — candidates with their
 gate pipeline, open proposals with their evidence, the forms that start candidates and find
 failures; `/evolution/candidates/<id>/` — one candidate's gate results, the canary comparison
-chart (rewards per arm, governance.routing.compare_arms) and the promote / rollback buttons.
+chart (rewards per arm, evolution.canary.compare_arms) and the promote / rollback buttons.
 
-Views parse, authorize, call a service (trainer/evolution_services.py), redirect with a message;
+Views parse, authorize, call a service (evolution/services.py), redirect with a message;
 a ServiceError becomes an error message, never a 500. Reading needs read_training; promoting,
 proposing and accepting need manage_evolution; rolling back needs rollback_policy — checked
 here for the buttons and again in the services."""

@@ -391,7 +391,7 @@ def test_stop_route(tenant, agent):
 
 
 def test_evaluate_canaries_rolls_back_worse_and_is_idempotent(tenant, other_tenant, agent):
-    from governance.tasks import evaluate_canaries
+    from evolution.canary import evaluate_canaries
 
     rng = random.Random(11)
     worse = start_canary("system:test", tenant, agent, candidate_ref="worse", share=0.1,
@@ -433,8 +433,8 @@ def test_a_person_deciding_first_wins(tenant, agent):
 
 def test_automatic_rollback_stops_routing_within_one_request(transactional_db, start_proxy,
                                                              fake_upstream):
+    from evolution.canary import evaluate_canaries
     from governance.services import create_proxy_key, create_tenant
-    from governance.tasks import evaluate_canaries
 
     tenant = create_tenant("system:test", "acme")[0]
     issued = create_proxy_key("system:test", tenant, "bot")
