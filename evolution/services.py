@@ -7,10 +7,10 @@ what is checked here too (manage_evolution, rollback_policy), not only in the co
 The five gates (evolution/gates.py has the decisions): shadow_eval -> replay -> safety run
 offline in the Celery task evolution.tasks.run_gates (queue `gpu`); canary is a
 evolution.canary PolicyRoute whose decision (evaluate_canaries, or a person) the candidate
-follows in the same tick of the beat task evolution.tasks.advance_evolution; promote pushes a weight candidate's
-checkpoint to the serving engine (SGLang `/update_weights_from_disk` between pause and continue,
-trainer.rollout.SGLangRollout) or leaves a context update active. A failed gate stops the
-candidate with the gate's readable reason.
+follows in the same tick of the beat task evolution.tasks.advance_evolution; promote pushes a
+weight candidate's checkpoint to the serving engine (SGLang `/update_weights_from_disk`
+between pause and continue, trainer.rollout.SGLangRollout) or leaves a context update active.
+A failed gate stops the candidate with the gate's readable reason.
 
 Serving engines (env or Django settings): STEWARD_SGLANG_URL — production SGLang, receives a
 promoted checkpoint's weights (and the previous ones back on rollback); STEWARD_SGLANG_CANARY_URL
