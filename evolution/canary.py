@@ -41,6 +41,7 @@ from django.db import InterfaceError, OperationalError
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from evolution.gates import route_claimable_from
 from evolution.models import ContextUpdate, PolicyRoute
 from governance.audit import record_event
 from governance.datasets import latest_reward_value
@@ -325,10 +326,11 @@ def start_canary(actor: Any, tenant: Tenant, agent: Agent | int, *, candidate_re
     return route
 
 
-def _claim(route: PolicyRoute, from_status: list[str], to_status: str, reason: str,
-           now: Any) -> PolicyRoute:
+def _claim(route: PolicyRoute, to_status: str, reason: str, now: Any) -> PolicyRoute:
+    """Move the route to `to_status` from a status the lifecycle allows (gates.ROUTE_ENDINGS,
+    shared with the candidate's canary gate), by a conditional UPDATE."""
     claimed = (PolicyRoute.objects.for_tenant(route.tenant_id)
-               .filter(pk=route.pk, status__in=from_status)
+               .filter(pk=route.pk, status__in=route_claimable_from(to_status))
                .update(status=to_status, decision_reason=reason, decided_at=now,
                        updated_at=now))
     if not claimed:
@@ -346,7 +348,7 @@ def promote_route(actor: Any, route: PolicyRoute, reason: str,
     the route's context update becomes the agent's active one of its kind."""
     reason = _require_reason(reason)
     now = timezone.now()
-    route = _claim(route, [PolicyRoute.Status.CANARY], PolicyRoute.Status.PROMOTED, reason, now)
+    route = _claim(route, PolicyRoute.Status.PROMOTED, reason, now)
     superseded: list[int] = []
     if route.context_update_id:
         update = ContextUpdate.objects.get(pk=route.context_update_id)
@@ -371,8 +373,7 @@ def rollback_route(actor: Any, route: PolicyRoute, reason: str,
     context update is rolled back and disappears from upstream requests."""
     reason = _require_reason(reason)
     now = timezone.now()
-    route = _claim(route, [PolicyRoute.Status.CANARY, PolicyRoute.Status.PROMOTED],
-                   PolicyRoute.Status.ROLLED_BACK, reason, now)
+    route = _claim(route, PolicyRoute.Status.ROLLED_BACK, reason, now)
     rolled_back_update = None
     if route.context_update_id:
         rolled_back_update = route.context_update_id if (
@@ -397,8 +398,7 @@ def stop_route(actor: Any, route: PolicyRoute, reason: str) -> PolicyRoute:
     canary is rolled back."""
     reason = _require_reason(reason)
     now = timezone.now()
-    route = _claim(route, [PolicyRoute.Status.CANARY, PolicyRoute.Status.PROMOTED],
-                   PolicyRoute.Status.STOPPED, reason, now)
+    route = _claim(route, PolicyRoute.Status.STOPPED, reason, now)
     if route.context_update_id:
         ContextUpdate.objects.filter(pk=route.context_update_id,
                                      status=ContextUpdate.Status.CANARY).update(

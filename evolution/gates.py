@@ -184,18 +184,34 @@ def safety_decision(candidate: dict[str, Any], current: dict[str, Any],
                     f"{pct(cand_d)}; no reward-hacking probe scored", metrics, thresholds)
 
 
+# The canary route's lifecycle: the one state machine the route and its candidate share. For
+# each status a route may end in, the statuses it may be claimed from (evolution.canary claims
+# routes by this table) and whether the candidate on it passes the canary gate (canary_decision
+# follows the same table), so the route and the candidate cannot disagree about an ending.
+ROUTE_ENDINGS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "promoted": (("canary",), True),
+    "rolled_back": (("canary", "promoted"), False),
+    "stopped": (("canary", "promoted"), False),
+}
+
+
+def route_claimable_from(to_status: str) -> list[str]:
+    """The route statuses a move to `to_status` may claim (ROUTE_ENDINGS)."""
+    return list(ROUTE_ENDINGS[to_status][0])
+
+
 def canary_decision(route_status: str, route_reason: str,
                     comparison: dict[str, Any] | None = None) -> Decision | None:
     """The canary gate follows the route's decision (evolution.canary.evaluate_canaries or
-    a person): promoted -> passed, rolled back / stopped -> failed; still canary -> None."""
+    a person), by ROUTE_ENDINGS: promoted -> passed, rolled back / stopped -> failed; still
+    canary -> None."""
     metrics = {"route_status": route_status, **({"comparison": comparison} if comparison else {})}
-    if route_status == "promoted":
+    if route_status not in ROUTE_ENDINGS:
+        return None
+    if ROUTE_ENDINGS[route_status][1]:
         return Decision("canary", True, route_reason or "the canary was promoted", metrics)
-    if route_status in ("rolled_back", "stopped"):
-        why = route_reason or f"the canary was {route_status.replace('_', ' ')}"
-        return Decision("canary", False, f"canary {route_status.replace('_', ' ')}: {why}",
-                        metrics)
-    return None
+    why = route_reason or f"the canary was {route_status.replace('_', ' ')}"
+    return Decision("canary", False, f"canary {route_status.replace('_', ' ')}: {why}", metrics)
 
 
 # --- detectors -----------------------------------------------------------------------------
