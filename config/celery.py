@@ -9,8 +9,6 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 app = Celery("steward")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
-# The evolution control plane's tasks (trainer/evolution_tasks.py, issue 7).
-app.autodiscover_tasks(related_name="evolution_tasks")
 
 # Every worker reports itself (governance/workers.py: the console's "is a gpu worker up?") and,
 # on the capture queue, loads the sanitizer before its pool forks.

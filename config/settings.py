@@ -48,6 +48,7 @@ INSTALLED_APPS = [
     "axes",
     "governance",
     "trainer",
+    "evolution",
 ]
 
 MIDDLEWARE = [
@@ -202,11 +203,10 @@ CELERY_TASK_ROUTES = {
     "governance.tasks.purge_expired": {"queue": "capture"},
     "governance.erasure.erase_subject": {"queue": "capture"},
     "governance.erasure.resume_erasures": {"queue": "capture"},
-    "governance.tasks.evaluate_canaries": {"queue": "capture"},
     "trainer.tasks.run_training_job": {"queue": "gpu"},
-    "trainer.evolution_tasks.run_gates": {"queue": "gpu"},
-    "trainer.evolution_tasks.push_candidate_weights": {"queue": "gpu"},
-    "trainer.evolution_tasks.advance_candidates": {"queue": "capture"},
+    "evolution.tasks.run_gates": {"queue": "gpu"},
+    "evolution.tasks.push_candidate_weights": {"queue": "gpu"},
+    "evolution.tasks.advance_evolution": {"queue": "capture"},
 }
 CELERY_TASK_ALWAYS_EAGER = env_bool("STEWARD_CELERY_EAGER", False)
 CELERY_BEAT_SCHEDULE: dict = {
@@ -219,11 +219,9 @@ CELERY_BEAT_SCHEDULE: dict = {
                                      "schedule": 300.0},
     # Erasure requests whose message was lost or whose worker died.
     "resume-erasures": {"task": "governance.erasure.resume_erasures", "schedule": 60.0},
-    # Canary routes (issue 7): automatic promotion / rollback from the arms' rewards.
-    "evaluate-canaries": {"task": "governance.tasks.evaluate_canaries", "schedule": 30.0},
-    # Evolution candidates (issue 7): follow canary decisions into promote / rollback.
-    "advance-candidates": {"task": "trainer.evolution_tasks.advance_candidates",
-                           "schedule": 30.0},
+    # The evolution control plane (issue 7), one tick: canary routes promoted / rolled back
+    # from the arms' rewards, then the candidates follow those decisions in the same tick.
+    "advance-evolution": {"task": "evolution.tasks.advance_evolution", "schedule": 30.0},
 }
 
 # --- Steward ----------------------------------------------------------------------------
@@ -245,7 +243,7 @@ STEWARD_HARNESS_VERSION = "steward-proxy/0.1"
 # STEWARD_ROLLOUT_ENGINES).
 STEWARD_SGLANG_URL = os.environ.get("STEWARD_SGLANG_URL", "")
 STEWARD_SGLANG_API_KEY = os.environ.get("STEWARD_SGLANG_API_KEY", "")
-# An SGLang serving the candidate arm of a weight canary (trainer/evolution_services.py).
+# An SGLang serving the candidate arm of a weight canary (evolution/services.py).
 STEWARD_SGLANG_CANARY_URL = os.environ.get("STEWARD_SGLANG_CANARY_URL", "")
 STEWARD_UPSTREAM_API_KEY = os.environ.get("STEWARD_UPSTREAM_API_KEY", "").strip()
 # The operator's engines (proxy/engines.py): the only URLs a candidate, a baseline, a canary

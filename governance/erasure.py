@@ -68,7 +68,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,26 @@ _PHONE_LIKE = re.compile(r"^[\d\s().+\-/x]+$|^[\d\s().+\-/]+(?:ext\.?|extension)
 
 class ErasureError(ValueError):
     """Bad erasure input (the REST layer answers 400 with the message)."""
+
+
+# --- participants ---------------------------------------------------------------------------
+# What other apps own and an erasure must reach, registered by those apps in their
+# AppConfig.ready() (the trainer: "checkpoints_tainted"), so that governance imports none of
+# them. Each is called in every delete batch, inside the batch's transaction and before the
+# trajectories go, as participant(actor, tenant_id, trajectory_ids, reason), and returns the ids
+# of what it changed; they are recorded under its key in the request's progress, the batch's
+# audit event and the certificate.
+ErasureParticipant = Callable[[Any, int, list[str], str], list[int]]
+PARTICIPANTS: dict[str, ErasureParticipant] = {}
+
+
+def register_erasure_participant(key: str, participant: ErasureParticipant) -> None:
+    """Register `participant` under `key` (idempotent for the same callable: ready() may run
+    more than once in tests)."""
+    existing = PARTICIPANTS.get(key)
+    if existing is not None and existing is not participant:
+        raise ValueError(f"erasure participant {key!r} is registered already ({existing!r})")
+    PARTICIPANTS[key] = participant
 
 
 # --- hashes -----------------------------------------------------------------------------------
@@ -639,8 +659,10 @@ def _delete_batch(req: ErasureRequest) -> bool:
         req.progress["erased_trajectories"] = sorted(
             set(req.progress.get("erased_trajectories", []))
             | {erased_trajectory_hash(tenant_id, t) for t in ids})
-        # Checkpoints first: the version memberships that link them go below.
-        tainted = mark_checkpoints_tainted(ACTOR, tenant_id, ids, reason)
+        # The participants first (the trainer's checkpoints): the version memberships that
+        # link the trajectories to what they reach go below.
+        reached = {key: participant(ACTOR, tenant_id, ids, reason)
+                   for key, participant in PARTICIPANTS.items()}
         changed = _drop_from_unapproved(req, ids)
         # What still holds them now is approved (or already rejected/invalidated).
         invalidated = invalidate_versions_containing(
@@ -690,23 +712,15 @@ def _delete_batch(req: ErasureRequest) -> bool:
         _add(req, counts)
         _add_ids(req, "dataset_versions_changed", changed)
         _add_ids(req, "dataset_versions_invalidated", invalidated)
-        _add_ids(req, "checkpoints_tainted", tainted)
+        for key, reached_ids in reached.items():
+            _add_ids(req, key, reached_ids)
         req.progress["batches"] = req.progress.get("batches", 0) + 1
         _save(req)
         record_event(ACTOR, "erasure.batch_deleted", tenant=tenant_id,
                      object_type="erasure_request", object_id=req.pk,
                      payload={**counts, "dataset_versions_changed": changed,
-                              "dataset_versions_invalidated": invalidated,
-                              "checkpoints_tainted": tainted})
+                              "dataset_versions_invalidated": invalidated, **reached})
     return True
-
-
-def mark_checkpoints_tainted(actor: Any, tenant_id: int, trajectory_ids: list[str],
-                             reason: str) -> list[int]:
-    """trainer.services.mark_checkpoints_tainted (the trainer app owns checkpoints)."""
-    from trainer.services import mark_checkpoints_tainted as taint
-
-    return taint(actor, tenant_id, trajectory_ids, reason)
 
 
 # stage 5 -------------------------------------------------------------------------------------
@@ -824,7 +838,7 @@ def _verify(req: ErasureRequest) -> bool:
             "counts": dict(req.progress.get("counts", {})),
             "dataset_versions_invalidated": req.progress.get("dataset_versions_invalidated", []),
             "dataset_versions_changed": req.progress.get("dataset_versions_changed", []),
-            "checkpoints_tainted": req.progress.get("checkpoints_tainted", []),
+            **{key: req.progress.get(key, []) for key in PARTICIPANTS},
             "spool": {"drained": bool(spool.get("drained")), "since": spool.get("since"),
                       "spools": spool.get("spools", []), "pending": spool.get("pending", [])},
             "unindexed_scan": {k: v for k, v in scan.items() if not k.startswith("after_")},

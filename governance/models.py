@@ -164,9 +164,10 @@ class Trajectory(models.Model):
     # secret — never a raw value. Locked (SELECT ... FOR UPDATE) while steps are built.
     sanitizer_state = models.JSONField(default=dict, blank=True)
     # The canary route and arm the proxy assigned this trajectory's session to (issue 7;
-    # governance/routing.py compares the arms' rewards). Empty arm: no route applied.
-    route = models.ForeignKey("PolicyRoute", null=True, blank=True, on_delete=models.SET_NULL,
-                              related_name="trajectories")
+    # evolution/canary.py compares the arms' rewards). Empty arm: no route applied. A string
+    # reference: governance imports nothing of the evolution app that owns the route.
+    route = models.ForeignKey("evolution.PolicyRoute", null=True, blank=True,
+                              on_delete=models.SET_NULL, related_name="trajectories")
     route_arm = models.CharField(max_length=16, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -630,99 +631,6 @@ class SuppressedSubject(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["tenant", "subject_hash"],
                                     name="suppressed_tenant_subject"),
-        ]
-
-
-class ContextUpdate(models.Model):
-    """A versioned change the proxy makes to one agent's requests (issue 7): a snippet added to
-    the system prompt (`{"snippet": "..."}`) or tool definitions replaced by name
-    (`{"tools": {"<function name>": {<description/parameters>}}}`). A draft does nothing; in
-    `canary` it applies to the candidate arm of its PolicyRoute only; `active` applies to all
-    of the agent's traffic (one active update per kind). Changed only through
-    governance/routing.py; the proxy reads canary/active ones through a SECURITY DEFINER
-    function (migration 0007) and records id/version/hash in each step's `versions`."""
-
-    class Kind(models.TextChoices):
-        SYSTEM_PROMPT = "system_prompt", "System prompt snippet"
-        TOOL_SCHEMA = "tool_schema", "Tool schema rewrite"
-
-    class Status(models.TextChoices):
-        DRAFT = "draft", "Draft"
-        CANARY = "canary", "Canary"
-        ACTIVE = "active", "Active"
-        ROLLED_BACK = "rolled_back", "Rolled back"
-        REJECTED = "rejected", "Rejected"
-
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="context_updates")
-    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="context_updates")
-    kind = models.CharField(max_length=16, choices=Kind.choices)
-    content = models.JSONField(default=dict)
-    version = models.PositiveIntegerField()  # increasing per tenant + agent
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.DRAFT,
-                              db_index=True)
-    content_hash = models.CharField(max_length=64)
-    reason = models.TextField(blank=True, default="")
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
-                                   on_delete=models.SET_NULL, related_name="+")
-    created_at = models.DateTimeField(auto_now_add=True)
-    activated_at = models.DateTimeField(null=True, blank=True)
-    rolled_back_at = models.DateTimeField(null=True, blank=True)
-    updated_at = models.DateTimeField(auto_now=True)
-
-    objects = TenantManager()
-
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(fields=["tenant", "agent", "version"],
-                                    name="contextupdate_agent_version"),
-            # One active update per kind and agent: activating one supersedes the other.
-            models.UniqueConstraint(fields=["tenant", "agent", "kind"],
-                                    condition=models.Q(status="active"),
-                                    name="contextupdate_one_active_per_kind"),
-        ]
-
-
-class PolicyRoute(models.Model):
-    """A canary (issue 7): the proxy sends `share` of an agent's NEW sessions to the candidate
-    (another upstream and/or model name, and/or a context update), sticky per session, and tags
-    those trajectories (Trajectory.route / route_arm). governance/routing.py compares the arms'
-    late-bound rewards and promotes (all new sessions take the candidate) or rolls back (the
-    proxy stops routing to it on the next request)."""
-
-    class Status(models.TextChoices):
-        CANARY = "canary", "Canary"
-        PROMOTED = "promoted", "Promoted"
-        ROLLED_BACK = "rolled_back", "Rolled back"
-        STOPPED = "stopped", "Stopped"
-
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="policy_routes")
-    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="policy_routes")
-    candidate_ref = models.CharField(max_length=200, blank=True, default="")
-    candidate_upstream_url = models.CharField(max_length=500, blank=True, default="")
-    candidate_model = models.CharField(max_length=256, blank=True, default="")
-    context_update = models.ForeignKey(ContextUpdate, null=True, blank=True,
-                                       on_delete=models.PROTECT, related_name="routes")
-    share = models.FloatField()
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.CANARY,
-                              db_index=True)
-    min_sessions_per_arm = models.PositiveIntegerField(default=30)
-    max_error_rate_increase = models.FloatField(default=0.05)
-    decision_reason = models.TextField(blank=True, default="")
-    decided_at = models.DateTimeField(null=True, blank=True)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
-                                   on_delete=models.SET_NULL, related_name="+")
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
-
-    objects = TenantManager()
-
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(fields=["tenant", "agent"],
-                                    condition=models.Q(status__in=["canary", "promoted"]),
-                                    name="policyroute_one_live_per_agent"),
-            models.CheckConstraint(condition=models.Q(share__gte=0) & models.Q(share__lte=1),
-                                   name="policyroute_share_range"),
         ]
 
 

@@ -501,36 +501,3 @@ def purge_expired(tenant_id: int | None = None) -> dict[str, dict[str, int]]:
     results = purge(tenant_id)
     # Celery serialises results as JSON: string keys.
     return {str(k): v for k, v in results.items()}
-
-
-@shared_task(name="governance.tasks.evaluate_canaries",
-             autoretry_for=(OperationalError, InterfaceError), max_retries=3,
-             retry_backoff=True, retry_backoff_max=30, retry_jitter=True)
-def evaluate_canaries(route_ids: list[int] | None = None) -> dict[str, int]:
-    """Celery beat (every 30 s): compare the arms of every canary route (or of `route_ids`) and
-    promote or roll back automatically as "system:canary" (governance/routing.py). Idempotent:
-    each decision claims the route with a conditional update on its status, so a redelivered
-    message, an overlapping run or a person deciding meanwhile changes nothing twice."""
-    from governance.models import PolicyRoute
-    from governance.routing import canary_tenants, evaluate_route
-
-    outcomes: Counter[str] = Counter()
-    for tenant_id in canary_tenants():
-        with tenant_context(tenant_id):
-            routes = PolicyRoute.objects.for_tenant(tenant_id).filter(
-                status=PolicyRoute.Status.CANARY)
-            if route_ids is not None:
-                routes = routes.filter(pk__in=route_ids)
-            routes = list(routes.order_by("pk"))
-        for route in routes:
-            try:
-                outcome = evaluate_route(route)
-            except (OperationalError, InterfaceError):
-                raise
-            except Exception:  # one broken route must not stop the others
-                log.exception("canary: evaluating route %s failed", route.pk)
-                outcome = "failed"
-            outcomes[outcome] += 1
-            if outcome in ("promoted", "rolled_back"):
-                log.warning("canary: route %s %s automatically", route.pk, outcome)
-    return dict(outcomes)

@@ -743,8 +743,11 @@ def _route_field(rec: Any) -> tuple[Any, Any]:
 def _known_routes(prepared: list[_Prepared]) -> dict[int, int]:
     """route id -> agent id of the canary routes the records name, as far as they exist in
     the current tenant scope (a stale or forged id must not break the batch's foreign key)."""
-    from governance.models import PolicyRoute
+    from governance.models import Trajectory
 
+    # The route model through Trajectory.route: the shipper (governance) imports nothing of
+    # the evolution app that owns it.
+    PolicyRoute = Trajectory._meta.get_field("route").related_model  # noqa: N806
     ids = {rid for p in prepared for rid in [_route_field(p.record)[0]] if _is_int(rid)}
     if not ids:
         return {}

@@ -14,16 +14,8 @@ import orjson
 import pytest
 from django.utils import timezone
 
-from governance import routing
-from governance.models import (
-    AuditEvent,
-    ContextUpdate,
-    Interaction,
-    PolicyRoute,
-    Reward,
-    Trajectory,
-)
-from governance.routing import (
+from evolution import canary as routing
+from evolution.canary import (
     activate_context_update,
     compare_arms,
     create_context_update,
@@ -40,6 +32,8 @@ from governance.routing import (
     start_canary,
     stop_route,
 )
+from evolution.models import ContextUpdate, PolicyRoute
+from governance.models import AuditEvent, Interaction, Reward, Trajectory
 from governance.services import ServiceConflict, ServiceError, ensure_agent
 from tests.live import wait_for_key
 from tests.welch import student_t_two_sided_p, welch_p, welch_t_test
@@ -397,7 +391,7 @@ def test_stop_route(tenant, agent):
 
 
 def test_evaluate_canaries_rolls_back_worse_and_is_idempotent(tenant, other_tenant, agent):
-    from governance.tasks import evaluate_canaries
+    from evolution.canary import evaluate_canaries
 
     rng = random.Random(11)
     worse = start_canary("system:test", tenant, agent, candidate_ref="worse", share=0.1,
@@ -439,8 +433,8 @@ def test_a_person_deciding_first_wins(tenant, agent):
 
 def test_automatic_rollback_stops_routing_within_one_request(transactional_db, start_proxy,
                                                              fake_upstream):
+    from evolution.canary import evaluate_canaries
     from governance.services import create_proxy_key, create_tenant
-    from governance.tasks import evaluate_canaries
 
     tenant = create_tenant("system:test", "acme")[0]
     issued = create_proxy_key("system:test", tenant, "bot")

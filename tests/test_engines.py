@@ -9,15 +9,14 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
+from evolution import services as svc
+from evolution.models import Candidate, EvolutionPolicy, PolicyRoute
+from evolution.tasks import run_gates
 from governance import services as gov
-from governance.models import PolicyRoute
 from governance.services import ServiceError
 from proxy.engines import EngineError, Engines, validate_http_url
 from tests.live import serve_app
 from tests.test_evolution import FakeModels, tiny_checkpoint, var_dir  # noqa: F401 - fixture
-from trainer import evolution_services as svc
-from trainer.evolution_tasks import run_gates
-from trainer.models import Candidate, EvolutionPolicy
 
 HOSTILE_URLS = ["file:///etc/passwd", "gopher://127.0.0.1:6379/_FLUSHALL", "ftp://x/y",
                 "javascript:alert(1)", "http:///no-host", "http://user:pw@engine:30000",
@@ -128,7 +127,7 @@ def test_the_console_offers_engines_and_refuses_a_free_url(client, tenant, peopl
 
 
 def test_a_canary_route_names_a_listed_engine(tenant, settings):
-    from governance.routing import start_canary
+    from evolution.canary import start_canary
 
     settings.STEWARD_ENGINE_ALLOWLIST = "cand-b=http://10.0.0.6:8000"
     agent = gov.ensure_agent("system:test", tenant, "bot")

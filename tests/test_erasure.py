@@ -266,7 +266,7 @@ def test_crash_mid_job_resumes_without_double_counting(tenant, agent, people, er
     trajs = [make_trajectory(tenant, agent, steps=2, subject_hash=h) for _ in range(3)]
     keep = make_trajectory(tenant, agent, steps=1)
     monkeypatch.setattr(erasure, "BATCH_TRAJECTORIES", 1)
-    real = erasure.mark_checkpoints_tainted
+    real = erasure.PARTICIPANTS["checkpoints_tainted"]
     calls = {"n": 0}
 
     def crash_on_second_batch(*args, **kwargs):
@@ -275,7 +275,7 @@ def test_crash_mid_job_resumes_without_double_counting(tenant, agent, people, er
             raise OperationalError("simulated: the database went away")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(erasure, "mark_checkpoints_tainted", crash_on_second_batch)
+    monkeypatch.setitem(erasure.PARTICIPANTS, "checkpoints_tainted", crash_on_second_batch)
     req, _ = erasure.request_erasure(users["compliance"], tenant, EMAIL)
     with pytest.raises(OperationalError):
         erase_subject(req.pk, tenant.pk)

@@ -1,7 +1,7 @@
 """The evolution control plane's gate pipeline (issue 7): each gate decision on hand-made
 numbers; the detectors and probes; candidates driven through every gate against fake
 upstreams (one model refuses harmful requests, one complies) and with the CPU demo model
-(weights pushed to a fake SGLang); canary decisions of governance.routing followed into
+(weights pushed to a fake SGLang); canary decisions of evolution.canary followed into
 promote and rollback; a tainted checkpoint refused at the door; failure clustering and the
 proposal rule table."""
 
@@ -17,15 +17,23 @@ import pytest
 from aiohttp import web
 from django.db import connection
 
+from evolution import gates as ev
+from evolution import services as svc
+from evolution.models import (
+    Candidate,
+    ContextUpdate,
+    FailureCluster,
+    GateResult,
+    PolicyRoute,
+    Proposal,
+)
+from evolution.tasks import advance_candidates, advance_evolution, run_gates
 from governance import services as gov
-from governance.models import AuditEvent, ContextUpdate, PolicyRoute, Step, Trajectory
+from governance.models import AuditEvent, Step, Trajectory
 from governance.services import ServiceConflict, ServiceError, ServiceForbidden
 from tests.govdata import make_trajectory
 from tests.live import serve_app
-from trainer import evolution as ev
-from trainer import evolution_services as svc
-from trainer.evolution_tasks import advance_candidates, run_gates
-from trainer.models import Candidate, Checkpoint, FailureCluster, GateResult, Proposal
+from trainer.models import Checkpoint
 
 TH = ev.Thresholds()
 
@@ -467,7 +475,6 @@ def test_a_candidate_that_lowers_the_refusal_rate_is_stopped_at_the_safety_gate(
 
 def test_a_good_candidate_reaches_canary_and_a_worse_canary_is_rolled_back(
         tenant, people, fake_models, eval_version):
-    from governance.tasks import evaluate_canaries
 
     users, _ = people
     fake, url = fake_models
@@ -489,13 +496,13 @@ def test_a_good_candidate_reaches_canary_and_a_worse_canary_is_rolled_back(
     replay = GateResult.objects.get(candidate=cand, gate="replay")
     assert replay.metrics["candidate"]["tool_prompts"] >= 1
     assert replay.metrics["candidate"]["tool_valid_rate"] == 1.0
-    # Worse rewards on the candidate arm: evaluate_canaries rolls the route back, and the
-    # pipeline follows.
+    # Worse rewards on the candidate arm: the beat's one tick rolls the route back and the
+    # candidate follows it in that same tick.
     arm_trajectories(tenant, agent, route, "control", [0.9, 1.0, 0.95, 1.0])
     arm_trajectories(tenant, agent, route, "candidate", [0.1, 0.0, 0.2, 0.1])
     assert advance_candidates() == {"wait": 1}
-    assert evaluate_canaries() == {"rolled_back": 1}
-    assert advance_candidates() == {"rolled_back": 1}
+    assert advance_evolution() == {"routes": {"rolled_back": 1},
+                                   "candidates": {"rolled_back": 1}}
     cand.refresh_from_db()
     assert (cand.stage, cand.status) == ("canary", "rolled_back")
     assert cand.reason.startswith("stopped at Canary: canary rolled back: automatic: candidate "
@@ -508,7 +515,7 @@ def test_a_good_candidate_reaches_canary_and_a_worse_canary_is_rolled_back(
 
 def test_a_context_update_candidate_goes_through_the_same_gates(
         tenant, people, fake_models, eval_version):
-    from governance.routing import create_context_update
+    from evolution.canary import create_context_update
 
     users, _ = people
     fake, url = fake_models
@@ -601,9 +608,8 @@ def through_the_gates_to_canary(tenant, people, settings, sglang_url, eval_versi
 def test_a_checkpoint_through_all_gates_canary_promote_and_rollback_on_sglang(
         transactional_db, tenant, people, var_dir, settings, fake_sglang_server, eval_version,
         tmp_path):
-    from governance.tasks import evaluate_canaries
+    from evolution.tasks import push_candidate_weights
     from tests.live import celery_worker
-    from trainer.evolution_tasks import push_candidate_weights
 
     fake, sglang_url = fake_sglang_server
     cand, ckpt, agent = through_the_gates_to_canary(tenant, people, settings, sglang_url,
@@ -622,12 +628,12 @@ def test_a_checkpoint_through_all_gates_canary_promote_and_rollback_on_sglang(
     assert cand.route.candidate_upstream_url == sglang_url
     log = tmp_path / "worker.log"
     with celery_worker("gpu", log, "push-test", STEWARD_VAR_DIR=str(var_dir)):
-        # Better rewards on the candidate arm: promoted by evaluate_canaries, then by the
-        # pipeline: first the intent (committed), then the worker's push and its outcome.
+        # Better rewards on the candidate arm: one tick promotes the route and records the
+        # candidate's promote intent (committed), then the worker pushes and records the outcome.
         arm_trajectories(tenant, agent, cand.route, "control", [0.1, 0.0, 0.2, 0.1])
         arm_trajectories(tenant, agent, cand.route, "candidate", [0.9, 1.0, 0.95, 1.0])
-        assert evaluate_canaries() == {"promoted": 1}
-        assert advance_candidates() == {"promoting": 1}
+        assert advance_evolution() == {"routes": {"promoted": 1},
+                                       "candidates": {"promoting": 1}}
         intent = events("candidate.promoting")[0]
         assert intent.payload["push"]["weight_version"] == f"ckpt-{ckpt.pk}-step-3"
         cand = wait_for_push(cand, log)

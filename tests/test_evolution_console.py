@@ -12,12 +12,13 @@ import re
 
 import pytest
 
+from evolution import gates as ev
+from evolution import services as svc
+from evolution.models import Candidate, Proposal
 from governance import services as gov
 from governance.models import AuditEvent, Trajectory
 from tests.govdata import make_trajectory
-from trainer import evolution as ev
-from trainer import evolution_services as svc
-from trainer.models import Candidate, Checkpoint, Proposal, TrainingJob
+from trainer.models import Checkpoint, TrainingJob
 
 ROLES = ["admin", "steward", "compliance", "auditor"]
 

@@ -193,7 +193,8 @@ def world(tenant, other_tenant, make_member):
         erasure = ErasureRequest.objects.create(tenant=t, subject_hash=f"e-{t.slug}")
         SuppressedSubject.objects.create(tenant=t, subject_hash=f"e-{t.slug}",
                                          erasure_request=erasure)
-        from governance.models import ContextUpdate, DeadLetter, PolicyRoute
+        from evolution.models import ContextUpdate, PolicyRoute
+        from governance.models import DeadLetter
 
         DeadLetter.objects.create(tenant=t, flow_id=f"dl-{t.slug}", reason="r")
 
@@ -205,7 +206,7 @@ def world(tenant, other_tenant, make_member):
 
         SanitizerPolicyChange.objects.create(tenant=t, policy={"operators": {}},
                                              requested_by=admin)
-        from trainer.models import (
+        from evolution.models import (
             Candidate,
             EvolutionPolicy,
             FailureCluster,

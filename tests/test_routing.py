@@ -206,8 +206,8 @@ def test_restart_reloads_arms_recorded_on_shipped_trajectories(transactional_db)
     the database, through the SECURITY DEFINER function, as the app role."""
     from django.utils import timezone
 
+    from evolution.canary import start_canary, stop_route
     from governance.models import Trajectory
-    from governance.routing import start_canary, stop_route
     from governance.services import create_tenant, ensure_agent
     from tests.live import PROXY_DATABASE_ROLE, database_url_from_django
 
@@ -357,8 +357,9 @@ def wait_for_model(client, server, model: str, timeout: float = 10.0) -> None:
 
 def test_share_and_stickiness_end_to_end(world, start_proxy, fake_upstream, candidate_upstream,
                                          tmp_path):
-    from governance.models import PolicyRoute, Step, Trajectory
-    from governance.routing import start_canary
+    from evolution.canary import start_canary
+    from evolution.models import PolicyRoute
+    from governance.models import Step, Trajectory
     from tests.pipeline import ship_and_build
 
     acme, _, keys = world
@@ -417,12 +418,12 @@ def test_share_and_stickiness_end_to_end(world, start_proxy, fake_upstream, cand
 
 def test_context_update_only_for_its_tenant_and_agent_and_gone_after_rollback(
         world, start_proxy, fake_upstream, tmp_path):
-    from governance.models import Step
-    from governance.routing import (
+    from evolution.canary import (
         activate_context_update,
         create_context_update,
         rollback_context_update,
     )
+    from governance.models import Step
     from tests.pipeline import ship_and_build
 
     acme, _, keys = world
@@ -475,7 +476,7 @@ def test_context_update_only_for_its_tenant_and_agent_and_gone_after_rollback(
 
 def test_rollback_is_in_force_on_the_very_next_request(world, start_proxy, fake_upstream,
                                                        candidate_upstream):
-    from governance.routing import create_context_update, rollback_route, start_canary
+    from evolution.canary import create_context_update, rollback_route, start_canary
 
     acme, _, keys = world
     agent = keys["a1"].record.agent
@@ -506,7 +507,7 @@ def test_rollback_is_in_force_on_the_very_next_request(world, start_proxy, fake_
 def test_database_down_keeps_the_last_snapshot(world, start_proxy, fake_upstream,
                                                candidate_upstream, tmp_path):
     """A proxy restarted while PostgreSQL is unreachable routes from its snapshot file."""
-    from governance.routing import start_canary
+    from evolution.canary import start_canary
 
     acme, _, keys = world
     agent = keys["a1"].record.agent
@@ -536,7 +537,7 @@ def auth_of(request: dict) -> str | None:
 
 def test_the_candidate_engine_gets_its_own_credential_never_the_upstream_key(
         world, start_proxy, fake_upstream, candidate_upstream):
-    from governance.routing import start_canary
+    from evolution.canary import start_canary
     from tests.live import UPSTREAM_API_KEY
 
     acme, _, keys = world
@@ -558,8 +559,8 @@ def test_a_route_to_an_engine_the_operator_did_not_list_is_not_followed(
         world, start_proxy, fake_upstream, candidate_upstream):
     """A route row naming any other host (written before the allow-list, or straight into the
     table) sends nothing there: the calls stay on the control upstream, unchanged."""
-    from governance.models import PolicyRoute
-    from governance.routing import start_canary
+    from evolution.canary import start_canary
+    from evolution.models import PolicyRoute
     from proxy.demo_upstream import start_in_thread
 
     rogue = start_in_thread()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from governance.routing import _mean_std
+from evolution.canary import _mean_std
 
 
 def _betacf(a: float, b: float, x: float) -> float:

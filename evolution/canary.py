@@ -4,7 +4,7 @@ A `PolicyRoute` tells the proxy (proxy/routing.py) to send `share` of an agent's
 a candidate — another upstream URL, another model name and/or a `ContextUpdate` (a system-prompt
 snippet or rewritten tool schemas) — sticky per session; the proxy tags each trajectory with the
 route and arm (Trajectory.route / route_arm). `compare_arms` compares the arms' late-bound
-rewards; the beat task governance.tasks.evaluate_canaries promotes or rolls back automatically
+rewards; the beat task evolution.tasks.advance_evolution promotes or rolls back automatically
 (actor "system:canary"); people can roll back at any time. Every change NOTIFYs the proxy
 (trigger of migration 0007), which applies it on the next request.
 
@@ -30,21 +30,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from django.db import InterfaceError, OperationalError
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from evolution.gates import route_claimable_from
+from evolution.models import ContextUpdate, PolicyRoute
 from governance.audit import record_event
 from governance.datasets import latest_reward_value
 from governance.engines import candidate_engine_url
-from governance.models import Agent, ContextUpdate, Interaction, PolicyRoute, Tenant, Trajectory
+from governance.models import Agent, Interaction, Tenant, Trajectory
 from governance.services import ServiceConflict, ServiceError
 from governance.tenancy import tenant_atomic, tenant_context
 
+log = logging.getLogger("steward.evolution")
 CONTROL, CANDIDATE = "control", "candidate"
 SYSTEM_ACTOR = "system:canary"
 REWARD_NAME = "reward"  # the late-bound reward compared between arms
@@ -320,10 +326,11 @@ def start_canary(actor: Any, tenant: Tenant, agent: Agent | int, *, candidate_re
     return route
 
 
-def _claim(route: PolicyRoute, from_status: list[str], to_status: str, reason: str,
-           now: Any) -> PolicyRoute:
+def _claim(route: PolicyRoute, to_status: str, reason: str, now: Any) -> PolicyRoute:
+    """Move the route to `to_status` from a status the lifecycle allows (gates.ROUTE_ENDINGS,
+    shared with the candidate's canary gate), by a conditional UPDATE."""
     claimed = (PolicyRoute.objects.for_tenant(route.tenant_id)
-               .filter(pk=route.pk, status__in=from_status)
+               .filter(pk=route.pk, status__in=route_claimable_from(to_status))
                .update(status=to_status, decision_reason=reason, decided_at=now,
                        updated_at=now))
     if not claimed:
@@ -341,7 +348,7 @@ def promote_route(actor: Any, route: PolicyRoute, reason: str,
     the route's context update becomes the agent's active one of its kind."""
     reason = _require_reason(reason)
     now = timezone.now()
-    route = _claim(route, [PolicyRoute.Status.CANARY], PolicyRoute.Status.PROMOTED, reason, now)
+    route = _claim(route, PolicyRoute.Status.PROMOTED, reason, now)
     superseded: list[int] = []
     if route.context_update_id:
         update = ContextUpdate.objects.get(pk=route.context_update_id)
@@ -366,8 +373,7 @@ def rollback_route(actor: Any, route: PolicyRoute, reason: str,
     context update is rolled back and disappears from upstream requests."""
     reason = _require_reason(reason)
     now = timezone.now()
-    route = _claim(route, [PolicyRoute.Status.CANARY, PolicyRoute.Status.PROMOTED],
-                   PolicyRoute.Status.ROLLED_BACK, reason, now)
+    route = _claim(route, PolicyRoute.Status.ROLLED_BACK, reason, now)
     rolled_back_update = None
     if route.context_update_id:
         rolled_back_update = route.context_update_id if (
@@ -392,8 +398,7 @@ def stop_route(actor: Any, route: PolicyRoute, reason: str) -> PolicyRoute:
     canary is rolled back."""
     reason = _require_reason(reason)
     now = timezone.now()
-    route = _claim(route, [PolicyRoute.Status.CANARY, PolicyRoute.Status.PROMOTED],
-                   PolicyRoute.Status.STOPPED, reason, now)
+    route = _claim(route, PolicyRoute.Status.STOPPED, reason, now)
     if route.context_update_id:
         ContextUpdate.objects.filter(pk=route.context_update_id,
                                      status=ContextUpdate.Status.CANARY).update(
@@ -613,3 +618,31 @@ def evaluate_route(route: PolicyRoute) -> str:
     except ServiceConflict:  # a person (or another worker) decided meanwhile: nothing to do
         return "skipped"
     return "wait"
+
+
+def evaluate_canaries(route_ids: list[int] | None = None) -> dict[str, int]:
+    """The route half of the beat task evolution.tasks.advance_evolution: compare the arms of
+    every canary route (or of `route_ids`) and promote or roll back automatically as
+    "system:canary". Idempotent: each decision claims the route with a conditional update on
+    its status, so a redelivered message, an overlapping run or a person deciding meanwhile
+    changes nothing twice. Returns how many routes had each outcome of evaluate_route."""
+    outcomes: Counter[str] = Counter()
+    for tenant_id in canary_tenants():
+        with tenant_context(tenant_id):
+            routes = PolicyRoute.objects.for_tenant(tenant_id).filter(
+                status=PolicyRoute.Status.CANARY)
+            if route_ids is not None:
+                routes = routes.filter(pk__in=route_ids)
+            routes = list(routes.order_by("pk"))
+        for route in routes:
+            try:
+                outcome = evaluate_route(route)
+            except (OperationalError, InterfaceError):
+                raise
+            except Exception:  # one broken route must not stop the others
+                log.exception("canary: evaluating route %s failed", route.pk)
+                outcome = "failed"
+            outcomes[outcome] += 1
+            if outcome in ("promoted", "rolled_back"):
+                log.warning("canary: route %s %s automatically", route.pk, outcome)
+    return dict(outcomes)

@@ -4,13 +4,13 @@ failures and propose, accept or dismiss governed updates. Each one runs in its t
 (governance.tenancy), atomically, writing its audit event in the same transaction; who may do
 what is checked here too (manage_evolution, rollback_policy), not only in the console.
 
-The five gates (trainer/evolution.py has the decisions): shadow_eval -> replay -> safety run
-offline in the Celery task trainer.evolution_tasks.run_gates (queue `gpu`); canary is a
-governance.routing PolicyRoute whose decision (evaluate_canaries, or a person) the beat task
-trainer.evolution_tasks.advance_candidates follows; promote pushes a weight candidate's
-checkpoint to the serving engine (SGLang `/update_weights_from_disk` between pause and continue,
-trainer.rollout.SGLangRollout) or leaves a context update active. A failed gate stops the
-candidate with the gate's readable reason.
+The five gates (evolution/gates.py has the decisions): shadow_eval -> replay -> safety run
+offline in the Celery task evolution.tasks.run_gates (queue `gpu`); canary is a
+evolution.canary PolicyRoute whose decision (evaluate_canaries, or a person) the candidate
+follows in the same tick of the beat task evolution.tasks.advance_evolution; promote pushes a
+weight candidate's checkpoint to the serving engine (SGLang `/update_weights_from_disk`
+between pause and continue, trainer.rollout.SGLangRollout) or leaves a context update active.
+A failed gate stops the candidate with the gate's readable reason.
 
 Serving engines (env or Django settings): STEWARD_SGLANG_URL — production SGLang, receives a
 promoted checkpoint's weights (and the previous ones back on rollback); STEWARD_SGLANG_CANARY_URL
@@ -35,22 +35,22 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from governance.audit import record_event
-from governance.engines import candidate_engine_url
-from governance.models import Agent, DatasetVersion, Membership, Tenant
-from governance.permissions import member_can
-from governance.services import ServiceConflict, ServiceError, ServiceForbidden
-from governance.tenancy import tenant_atomic, tenant_context
-from trainer import evolution as ev
-from trainer.models import (
+from evolution import gates as ev
+from evolution.models import (
     Candidate,
-    Checkpoint,
     EvolutionPolicy,
     FailureCluster,
     GateResult,
     Proposal,
     UpdateKind,
 )
+from governance.audit import record_event
+from governance.engines import candidate_engine_url
+from governance.models import Agent, DatasetVersion, Membership, Tenant
+from governance.permissions import member_can
+from governance.services import ServiceConflict, ServiceError, ServiceForbidden
+from governance.tenancy import tenant_atomic, tenant_context
+from trainer.models import Checkpoint
 from trainer.taskdata import version_refusal
 
 SYSTEM_ACTOR = "system:evolution"
@@ -181,7 +181,7 @@ def checkpoint_refusal(ckpt: Checkpoint) -> str | None:
 
 
 def _enqueue_gates(candidate_id: int) -> None:
-    from trainer.evolution_tasks import run_gates
+    from evolution.tasks import run_gates
 
     run_gates.delay(candidate_id)
 
@@ -198,7 +198,7 @@ def propose_candidate(actor: Any, tenant: Tenant, *, agent: Agent | int,
     tool_schema for tool definitions). Refused (ServiceForbidden / ServiceConflict, with the
     reason) for a tainted checkpoint or one whose dataset version was invalidated.
     Its gates run in the Celery task enqueued when this transaction commits."""
-    from governance.models import ContextUpdate
+    from evolution.models import ContextUpdate
 
     _require(actor, tenant.pk, "manage_evolution", "propose a candidate")
     agent_obj = Agent.objects.for_tenant(tenant).filter(pk=getattr(agent, "pk", agent)).first()
@@ -311,7 +311,7 @@ def _stop(actor: Any, cand: Candidate, status: str, reason: str,
     cand.finished_at = timezone.now()
     cand.save(update_fields=["status", "reason", "finished_at", "updated_at"])
     if cand.context_update_id and cand.context_update.status == "draft":
-        from governance.routing import reject_context_update
+        from evolution.canary import reject_context_update
 
         reject_context_update(actor, cand.context_update, f"candidate {cand.pk}: {reason}")
     record_event(actor, f"candidate.{status}", tenant=cand.tenant_id, object_type="candidate",
@@ -413,11 +413,11 @@ def _previous_weights(cand: Candidate) -> tuple[Path | None, str, str]:
 
 
 def start_candidate_canary(candidate_id: int, tenant_id: int) -> str:
-    """Offline gates passed: open the canary route (governance.routing.start_canary) with the
+    """Offline gates passed: open the canary route (evolution.canary.start_canary) with the
     tenant's share and thresholds. A weight candidate's checkpoint is first loaded into the
     canary engine (STEWARD_SGLANG_CANARY_URL). Returns "started", "waiting" (the agent has a
     live route; advance_candidates tries again) or "failed"."""
-    from governance.routing import start_canary
+    from evolution.canary import start_canary
 
     th = thresholds_for(tenant_id)
     canary_url = setting("STEWARD_SGLANG_CANARY_URL")
@@ -491,7 +491,7 @@ def start_candidate_canary(candidate_id: int, tenant_id: int) -> str:
 def comparison_for(cand: Candidate) -> dict[str, Any] | None:
     if not cand.route_id:
         return None
-    from governance.routing import compare_arms
+    from evolution.canary import compare_arms
 
     try:
         return compare_arms(cand.route).as_dict()
@@ -527,7 +527,7 @@ def follow_route(candidate_id: int, tenant_id: int) -> str:
 # A weight push can take minutes; it is never done inside a transaction (push_weights). A
 # promote or rollback that must push weights records its intent — status promoting or
 # rolling_back, the push plan in `serving` (engine, path, weight version), an audit event —
-# and commits; the gpu-queue task trainer.evolution_tasks.push_candidate_weights (enqueued
+# and commits; the gpu-queue task evolution.tasks.push_candidate_weights (enqueued
 # at commit) claims the candidate with a conditional UPDATE, pushes with no transaction
 # open, and records the outcome in its own audited transaction (record_push_outcome):
 # promoting -> promoted | push_failed, rolling_back -> rolled_back | promoted (the previous
@@ -538,7 +538,7 @@ PUSH_STALE = timedelta(minutes=15)  # > the 600 s push timeout: the claimant is 
 
 
 def _enqueue_push(candidate_id: int) -> None:
-    from trainer.evolution_tasks import push_candidate_weights
+    from evolution.tasks import push_candidate_weights
 
     push_candidate_weights.delay(candidate_id)
 
@@ -549,8 +549,8 @@ def _finish_promotion(actor: Any, cand: Candidate, reason: str,
     had to be pushed): the route promoted, then stopped when it is no longer needed; the
     promote gate passed; the candidate promoted; audited. No network call. hash_reason: the
     push task records the person's reason as "system:evolution"."""
-    from governance.models import PolicyRoute
-    from governance.routing import promote_route, stop_route
+    from evolution.canary import promote_route, stop_route
+    from evolution.models import PolicyRoute
 
     route = (PolicyRoute.objects.select_for_update().filter(pk=cand.route_id).first()
              if cand.route_id else None)
@@ -672,7 +672,7 @@ def rollback_candidate(actor: Any, candidate: Candidate, reason: str) -> Candida
 @tenant_atomic("candidate.tenant_id")
 def _rollback(actor: Any, candidate: Candidate, reason: str,
               _canary: ev.Decision | None = None) -> Candidate:
-    from governance.routing import rollback_context_update, rollback_route
+    from evolution.canary import rollback_context_update, rollback_route
 
     cand = (Candidate.objects.select_for_update(of=("self",))
             .select_related("route", "checkpoint", "checkpoint__job", "context_update")
@@ -887,7 +887,7 @@ def _failure_items(tenant_id: int, th: ev.Thresholds, since: Any) -> list[ev.Fai
 @tenant_atomic("tenant")
 def propose_updates(actor: Any, tenant: Tenant, *, days: int = 30) -> list[Proposal]:
     """Cluster the tenant's recent failures (cluster_failures) and open one proposal per
-    cluster that has none open (the rule table, trainer.evolution.propose_kind). Idempotent:
+    cluster that has none open (the rule table, evolution.gates.propose_kind). Idempotent:
     a cluster's open proposal is refreshed, not duplicated. Returns the open proposals."""
     _require(actor, tenant.pk, "manage_evolution", "propose updates")
     th = thresholds_for(tenant)
@@ -938,10 +938,10 @@ def accept_proposal(actor: Any, proposal: Proposal, *, content: Any = None,
                     checkpoint: Checkpoint | int | None = None,
                     agent: Agent | int | None = None) -> Candidate:
     """Accept: a context proposal creates a draft ContextUpdate (the snippet or tool schemas
-    the steward wrote, `content`) through governance.routing and a Candidate for it; a weight
+    the steward wrote, `content`) through evolution.canary and a Candidate for it; a weight
     proposal needs the checkpoint (trained on an approved version) to propose. A no-op can
     only be dismissed."""
-    from governance.routing import create_context_update
+    from evolution.canary import create_context_update
 
     _require(actor, proposal.tenant_id, "manage_evolution", "accept a proposal")
     prop = (Proposal.objects.select_for_update(of=("self",)).select_related("cluster")

@@ -1,9 +1,9 @@
 """Console pages of the evolution control plane (issue 7): `/evolution/` — candidates with their
 gate pipeline, open proposals with their evidence, the forms that start candidates and find
 failures; `/evolution/candidates/<id>/` — one candidate's gate results, the canary comparison
-chart (rewards per arm, governance.routing.compare_arms) and the promote / rollback buttons.
+chart (rewards per arm, evolution.canary.compare_arms) and the promote / rollback buttons.
 
-Views parse, authorize, call a service (trainer/evolution_services.py), redirect with a message;
+Views parse, authorize, call a service (evolution/services.py), redirect with a message;
 a ServiceError becomes an error message, never a 500. Reading needs read_training; promoting,
 proposing and accepting need manage_evolution; rolling back needs rollback_policy — checked
 here for the buttons and again in the services."""
@@ -17,13 +17,14 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from evolution import gates as ev
+from evolution import services as svc
+from evolution.models import Candidate, EvolutionPolicy, GateResult, Proposal
 from governance.models import Agent, DatasetVersion, Role
 from governance.permissions import ROLE_PERMISSIONS
 from governance.services import ServiceError
 from governance.views.common import can, console_view
-from trainer import evolution as ev
-from trainer import evolution_services as svc
-from trainer.models import Candidate, Checkpoint, EvolutionPolicy, GateResult, Proposal
+from trainer.models import Checkpoint
 
 GATE_ORDER = list(ev.GATES)
 # A candidate whose gates are still being decided: its page polls (candidate.html#live).

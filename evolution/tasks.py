@@ -11,7 +11,7 @@ one candidate, then its canary.
    on from the gate it reached (passed gates are stored and the stage moved on).
 3. Each gate: gather inputs in the tenant scope, evaluate the candidate and the current policy
    (trainer.evolution policies), decide (pure functions), store the GateResult and move or
-   stop the candidate (trainer.evolution_services.record_offline_gate).
+   stop the candidate (evolution.services.record_offline_gate).
 4. Bounded retries (3) on database connection errors; any other error stops the candidate at
    the gate it was on, with the error as the reason.
 
@@ -23,10 +23,12 @@ outcome in its own audited transaction. Bounded retries: MAX_RETRIES when the en
 answer or the database connection drops; an engine that answers with a refusal is final
 (push_failed). advance_candidates re-sends a push whose message or worker was lost.
 
-`advance_candidates()` (beat): follows every canary route's decision into the promote gate or
-a rollback, starts canaries that waited for the agent's previous route to end, re-sends the
-message of a candidate left pending (a broker outage loses it), and rolls back a candidate
-whose checkpoint erasure tainted (in the pipeline, or the agent's current promoted weights).
+`advance_evolution()` (beat, 30 s): decides every canary route (evolution.canary.
+evaluate_canaries), then, in the same tick, advance_candidates follows each route's decision
+into the promote gate or a rollback, starts canaries that waited for the agent's previous
+route to end, re-sends the message of a candidate left pending (a broker outage loses it), and
+rolls back a candidate whose checkpoint erasure tainted (in the pipeline, or the agent's
+current promoted weights).
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ from django.db import InterfaceError, OperationalError, connection
 from django.db.models import Q
 from django.utils import timezone
 
+from evolution import gates as ev
+from evolution import services as svc
+from evolution.canary import evaluate_canaries
+from evolution.models import Candidate, EvolutionPolicy
 from governance.audit import record_event
 from governance.engines import Engine
 from governance.models import DatasetVersion, Step, Tenant
 from governance.tenancy import tenant_context
-from trainer import evolution as ev
-from trainer import evolution_services as svc
-from trainer.models import Candidate, EvolutionPolicy
 from trainer.taskdata import Example, iter_examples, member_trajectory_ids, version_refusal
 
 log = logging.getLogger("steward.evolution")
@@ -323,7 +326,7 @@ def requeue(candidate_id: int, tenant_id: int) -> None:
         pass
 
 
-@shared_task(bind=True, name="trainer.evolution_tasks.run_gates", acks_late=True,
+@shared_task(bind=True, name="evolution.tasks.run_gates", acks_late=True,
              max_retries=MAX_RETRIES)
 def run_gates(self: Any, candidate_id: int) -> str:
     tenant_id = candidate_tenant(candidate_id)
@@ -339,7 +342,7 @@ def run_gates(self: Any, candidate_id: int) -> str:
         raise self.retry(exc=exc, countdown=5 * (self.request.retries + 1)) from exc
 
 
-@shared_task(bind=True, name="trainer.evolution_tasks.push_candidate_weights", acks_late=True,
+@shared_task(bind=True, name="evolution.tasks.push_candidate_weights", acks_late=True,
              max_retries=MAX_RETRIES)
 def push_candidate_weights(self: Any, candidate_id: int) -> str:
     """Push the recorded plan's weights (module docstring); returns the candidate's new
@@ -368,12 +371,9 @@ def push_candidate_weights(self: Any, candidate_id: int) -> str:
         raise self.retry(exc=exc, countdown=5 * (self.request.retries + 1)) from exc
 
 
-@shared_task(name="trainer.evolution_tasks.advance_candidates",
-             autoretry_for=(OperationalError, InterfaceError), max_retries=3,
-             retry_backoff=True)
 def advance_candidates() -> dict[str, int]:
-    """Beat: per tenant, follow canary decisions, start waiting canaries, re-send lost
-    messages. One candidate's error never blocks the others."""
+    """The candidate half of advance_evolution: per tenant, follow canary decisions, start
+    waiting canaries, re-send lost messages. One candidate's error never blocks the others."""
     counts: dict[str, int] = {}
     for tenant_id in Tenant.objects.values_list("pk", flat=True):
         try:
@@ -417,4 +417,16 @@ def advance_candidates() -> dict[str, int]:
     return counts
 
 
-__all__ = ["advance_candidates", "push_candidate_weights", "run_gates"]
+@shared_task(name="evolution.tasks.advance_evolution",
+             autoretry_for=(OperationalError, InterfaceError), max_retries=3,
+             retry_backoff=True, retry_backoff_max=30, retry_jitter=True)
+def advance_evolution() -> dict[str, dict[str, int]]:
+    """Celery beat (every 30 s), the one tick of the control plane: decide the canary routes
+    first (evolution.canary.evaluate_canaries), then move the candidates after them
+    (advance_candidates), so a route promoted or rolled back in this tick has its candidate
+    promoted or rolled back in the same tick (two tasks on two 30 s timers took up to 60 s).
+    Both halves are idempotent: a retry after a dropped connection redoes only what is left."""
+    return {"routes": evaluate_canaries(), "candidates": advance_candidates()}
+
+
+__all__ = ["advance_candidates", "advance_evolution", "push_candidate_weights", "run_gates"]
