@@ -43,6 +43,7 @@ from django.db import InterfaceError, OperationalError, connection
 from django.db.models import Q
 from django.utils import timezone
 
+from governance import jobs
 from governance.audit import record_event
 from governance.engines import Engine
 from governance.models import DatasetVersion, Step, Tenant
@@ -66,13 +67,10 @@ def candidate_tenant(candidate_id: int) -> int | None:
 
 
 def claim(candidate_id: int, tenant_id: int, task_id: str, is_retry: bool) -> bool:
-    now = timezone.now()
-    offline = Q(status=Candidate.Status.RUNNING, stage__in=svc.OFFLINE_GATES)
-    mine = offline & (Q(task_id=task_id) if is_retry else Q(heartbeat_at__lt=now - STALE))
     with tenant_context(tenant_id):
-        updated = (Candidate.objects.filter(pk=candidate_id)
-                   .filter(Q(status=Candidate.Status.PENDING) | mine)
-                   .update(status=Candidate.Status.RUNNING, task_id=task_id, heartbeat_at=now))
+        updated = jobs.claim(Candidate, candidate_id, tenant_id, task_id,
+                             waiting=Candidate.Status.PENDING, is_retry=is_retry,
+                             stale_after=STALE, running_filter=Q(stage__in=svc.OFFLINE_GATES))
         if updated:
             cand = Candidate.objects.get(pk=candidate_id)
             cand.attempts += 1
