@@ -79,7 +79,7 @@ def _preload_sanitizer(**_: Any) -> None:
     """Load the sanitizer (spaCy, recognizers: seconds) when a worker starts, before it takes
     a task — in the parent process, so prefork children share it instead of each loading it
     on its first batch (which would add that load to the capture lag)."""
-    if getattr(settings, "STEWARD_SANITIZER_PRELOAD", True):
+    if settings.STEWARD_SANITIZER_PRELOAD:
         from governance.sanitizer import get_sanitizer
 
         get_sanitizer()

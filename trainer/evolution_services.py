@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,7 +60,7 @@ CONTEXT_KIND = {"memory": "system_prompt", "skill": "system_prompt", "harness": 
 
 
 def setting(name: str, default: str = "") -> str:
-    return str(getattr(settings, name, "") or os.environ.get(name, "") or default)
+    return str(getattr(settings, name, "") or default)  # config/settings.py reads the env
 
 
 def _user(actor: Any) -> Any:

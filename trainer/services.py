@@ -51,7 +51,7 @@ _REWARD_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 def stale_after() -> timedelta:
     """A running job whose heartbeat (updated every step) is older than this has lost its
     worker (STEWARD_TRAIN_STALE_SECONDS, default 15 minutes: longer than any one step)."""
-    return timedelta(seconds=getattr(settings, "STEWARD_TRAIN_STALE_SECONDS", 900))
+    return timedelta(seconds=settings.STEWARD_TRAIN_STALE_SECONDS)
 
 
 def models_dir() -> Path:
