@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from django.utils import timezone
 
 from governance import jobs
@@ -59,7 +60,8 @@ def test_a_redelivered_erasure_message_does_not_start_a_second_run(tenant, peopl
         action__in=["erasure.started", "erasure.resumed"]).count() == started
 
 
-def test_a_redelivered_training_message_does_not_start_a_second_run(tenant, people, var_dir):
+@pytest.mark.usefixtures("var_dir")
+def test_a_redelivered_training_message_does_not_start_a_second_run(tenant, people):
     users, _ = people
     version, _ = make_version(tenant, people)
     job = services.launch_training_job(users["steward"], tenant, version, config=TINY)

@@ -153,7 +153,7 @@ def _upstream_baseline(cand: Candidate, policy: EvolutionPolicy | None
 def gather_inputs(candidate_id: int, tenant_id: int) -> GateInputs | str:
     """Everything the offline gates need, read in the tenant's scope; a string is the reason
     the gates cannot run (the candidate is stopped with it)."""
-    from trainer.services import TINY_BASE
+    from trainer.runtime import TINY_BASE
     from trainer.tasks import ensure_tiny_base
 
     th = ev.Thresholds.from_dict(None)

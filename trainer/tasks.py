@@ -50,7 +50,7 @@ from governance.models import DatasetVersion
 from governance.tenancy import tenant_context
 from trainer.lineage import build_manifest, code_version, manifest_sha256, write_manifest
 from trainer.models import Checkpoint, TrainingJob, TrainingMetric
-from trainer.services import TINY_BASE, stale_after
+from trainer.runtime import TINY_BASE, rollout_engine_for, stale_after
 from trainer.taskdata import (
     Example,
     iter_examples,
@@ -301,7 +301,6 @@ def rollout_backend(config: Any) -> Any:
         return None
     from governance.services import ServiceError
     from trainer.rollout import SGLangRollout
-    from trainer.services import rollout_engine_for
 
     try:
         engine = rollout_engine_for(config)
