@@ -38,7 +38,13 @@ from governance.audit import record_event
 from governance.engines import candidate_engine_url
 from governance.models import Agent, DatasetVersion, Membership, Tenant
 from governance.permissions import member_can
-from governance.services import ServiceConflict, ServiceError, ServiceForbidden
+from governance.services import (
+    ServiceConflict,
+    ServiceError,
+    ServiceForbidden,
+    acting_user,
+    require_reason,
+)
 from governance.tenancy import tenant_atomic, tenant_context
 from trainer import evolution as ev
 from trainer.models import (
@@ -63,8 +69,7 @@ def setting(name: str, default: str = "") -> str:
     return str(getattr(settings, name, "") or default)  # config/settings.py reads the env
 
 
-def _user(actor: Any) -> Any:
-    return actor if hasattr(actor, "pk") else None
+_user = acting_user
 
 
 def _digest(text: str) -> str:
@@ -95,10 +100,7 @@ def _reason_payload(actor: Any, reason: str) -> dict[str, str]:
 
 
 def _require_reason(reason: str) -> str:
-    reason = (reason or "").strip()
-    if not reason:
-        raise ServiceError("a reason is required")
-    return reason[:2000]
+    return require_reason(reason, 2000)
 
 
 # --- thresholds ---------------------------------------------------------------------------
