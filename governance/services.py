@@ -257,7 +257,9 @@ _reason_digest = reason_digest
 
 def require_reason(reason: str, max_chars: int | None = None) -> str:
     """The stripped reason (cut to `max_chars`), or ServiceError when there is none."""
-    reason = require_reason(reason)
+    reason = (reason or "").strip()
+    if not reason:
+        raise ServiceError("a reason is required")
     return reason[:max_chars] if max_chars else reason
 
 
