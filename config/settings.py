@@ -251,6 +251,11 @@ STEWARD_UPSTREAM_API_KEY = os.environ.get("STEWARD_UPSTREAM_API_KEY", "").strip(
 # STEWARD_ENGINE_<NAME>_API_KEY. Rollout engines never serve agents.
 STEWARD_ENGINE_ALLOWLIST = os.environ.get("STEWARD_ENGINE_ALLOWLIST", "")
 STEWARD_ROLLOUT_ENGINES = os.environ.get("STEWARD_ROLLOUT_ENGINES", "")
+# A running training job whose heartbeat (every step) is older than this lost its worker: a
+# redelivered message takes it over, and cancelling it ends it at once (trainer/services.py).
+STEWARD_TRAIN_STALE_SECONDS = env_int("STEWARD_TRAIN_STALE_SECONDS", 900)
+# Load the sanitizer when a worker starts (governance/tasks.py); 0 defers it to the first batch.
+STEWARD_SANITIZER_PRELOAD = env_bool("STEWARD_SANITIZER_PRELOAD", True)
 
 LOGGING = {
     "version": 1,

@@ -47,7 +47,13 @@ from governance.audit import record_event
 from governance.datasets import latest_reward_value
 from governance.engines import candidate_engine_url
 from governance.models import Agent, Interaction, Tenant, Trajectory
-from governance.services import ServiceConflict, ServiceError
+from governance.services import (
+    ServiceConflict,
+    ServiceError,
+    acting_user,
+    reason_digest,
+    require_reason,
+)
 from governance.tenancy import tenant_atomic, tenant_context
 
 log = logging.getLogger("steward.evolution")
@@ -71,19 +77,7 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOOL_KEYS = {"description", "parameters", "strict"}
 
 
-def _reason_digest(reason: str) -> str:
-    return hashlib.sha256(reason.encode()).hexdigest()
-
-
-def _user(actor: Any) -> Any:
-    return actor if hasattr(actor, "pk") else None
-
-
-def _require_reason(reason: str) -> str:
-    reason = (reason or "").strip()
-    if not reason:
-        raise ServiceError("a reason is required")
-    return reason
+_reason_digest, _user, _require_reason = reason_digest, acting_user, require_reason
 
 
 def _agent_of(tenant: Tenant | int, agent: Agent | int) -> Agent:

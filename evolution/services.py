@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,13 @@ from governance.audit import record_event
 from governance.engines import candidate_engine_url
 from governance.models import Agent, DatasetVersion, Membership, Tenant
 from governance.permissions import member_can
-from governance.services import ServiceConflict, ServiceError, ServiceForbidden
+from governance.services import (
+    ServiceConflict,
+    ServiceError,
+    ServiceForbidden,
+    acting_user,
+    require_reason,
+)
 from governance.tenancy import tenant_atomic, tenant_context
 from trainer.models import Checkpoint
 from trainer.taskdata import version_refusal
@@ -61,11 +66,10 @@ CONTEXT_KIND = {"memory": "system_prompt", "skill": "system_prompt", "harness": 
 
 
 def setting(name: str, default: str = "") -> str:
-    return str(getattr(settings, name, "") or os.environ.get(name, "") or default)
+    return str(getattr(settings, name, "") or default)  # config/settings.py reads the env
 
 
-def _user(actor: Any) -> Any:
-    return actor if hasattr(actor, "pk") else None
+_user = acting_user
 
 
 def _digest(text: str) -> str:
@@ -96,10 +100,7 @@ def _reason_payload(actor: Any, reason: str) -> dict[str, str]:
 
 
 def _require_reason(reason: str) -> str:
-    reason = (reason or "").strip()
-    if not reason:
-        raise ServiceError("a reason is required")
-    return reason[:2000]
+    return require_reason(reason, 2000)
 
 
 # --- thresholds ---------------------------------------------------------------------------

@@ -10,13 +10,13 @@ one candidate, then its canary.
    message claims nothing; a finished candidate is never run again (idempotent). A retry goes
    on from the gate it reached (passed gates are stored and the stage moved on).
 3. Each gate: gather inputs in the tenant scope, evaluate the candidate and the current policy
-   (trainer.evolution policies), decide (pure functions), store the GateResult and move or
+   (evolution.gates policies), decide (pure functions), store the GateResult and move or
    stop the candidate (evolution.services.record_offline_gate).
 4. Bounded retries (3) on database connection errors; any other error stops the candidate at
    the gate it was on, with the error as the reason.
 
 `push_candidate_weights(candidate_id)` (queue `gpu`): the weight push of a promotion or a
-rollback, recorded as intent by trainer.evolution_services (status promoting / rolling_back)
+rollback, recorded as intent by evolution.services (status promoting / rolling_back)
 and enqueued when that transaction commits. Claims with a conditional UPDATE (a duplicate
 message or a finished push claims nothing), pushes with no transaction open, and records the
 outcome in its own audited transaction. Bounded retries: MAX_RETRIES when the engine does not
@@ -49,6 +49,7 @@ from evolution import gates as ev
 from evolution import services as svc
 from evolution.canary import evaluate_canaries
 from evolution.models import Candidate, EvolutionPolicy
+from governance import jobs
 from governance.audit import record_event
 from governance.engines import Engine
 from governance.models import DatasetVersion, Step, Tenant
@@ -69,13 +70,10 @@ def candidate_tenant(candidate_id: int) -> int | None:
 
 
 def claim(candidate_id: int, tenant_id: int, task_id: str, is_retry: bool) -> bool:
-    now = timezone.now()
-    offline = Q(status=Candidate.Status.RUNNING, stage__in=svc.OFFLINE_GATES)
-    mine = offline & (Q(task_id=task_id) if is_retry else Q(heartbeat_at__lt=now - STALE))
     with tenant_context(tenant_id):
-        updated = (Candidate.objects.filter(pk=candidate_id)
-                   .filter(Q(status=Candidate.Status.PENDING) | mine)
-                   .update(status=Candidate.Status.RUNNING, task_id=task_id, heartbeat_at=now))
+        updated = jobs.claim(Candidate, candidate_id, tenant_id, task_id,
+                             waiting=Candidate.Status.PENDING, is_retry=is_retry,
+                             stale_after=STALE, running_filter=Q(stage__in=svc.OFFLINE_GATES))
         if updated:
             cand = Candidate.objects.get(pk=candidate_id)
             cand.attempts += 1
@@ -158,7 +156,7 @@ def _upstream_baseline(cand: Candidate, policy: EvolutionPolicy | None
 def gather_inputs(candidate_id: int, tenant_id: int) -> GateInputs | str:
     """Everything the offline gates need, read in the tenant's scope; a string is the reason
     the gates cannot run (the candidate is stopped with it)."""
-    from trainer.services import TINY_BASE
+    from trainer.runtime import TINY_BASE
     from trainer.tasks import ensure_tiny_base
 
     th = ev.Thresholds.from_dict(None)

@@ -135,7 +135,7 @@ def _default_eval(tenant: Any, versions: list[DatasetVersion]) -> DatasetVersion
 
 def _eval_split_exists(tenant: Any, checkpoint_id: int) -> bool:
     """Whether a candidate of this checkpoint proposed without an eval split would get one (the
-    rule of trainer/evolution_tasks._eval_version: the tenant's default, else the newest
+    rule of evolution/tasks._eval_version: the tenant's default, else the newest
     approved, valid version it was not trained on). A checkpoint that is not usable answers
     True: the service refuses it with its own reason."""
     ckpt = (Checkpoint.objects.for_tenant(tenant).filter(pk=checkpoint_id,

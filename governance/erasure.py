@@ -81,6 +81,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from governance import jobs
 from governance.audit import record_event
 from governance.crypto import subject_hash
 from governance.datasets import version_content_hash
@@ -223,17 +224,14 @@ def request_erasure(actor: Any, tenant: Tenant, subject: str) -> tuple[ErasureRe
 # --- the task ---------------------------------------------------------------------------------
 
 
-def _claim(request_id: int, tenant_id: int, task_id: str) -> ErasureRequest | None:
+def _claim(request_id: int, tenant_id: int, task_id: str,
+           is_retry: bool) -> ErasureRequest | None:
     now = timezone.now()
-    stale = now - timedelta(seconds=HEARTBEAT_STALE_S)
     with tenant_context(tenant_id):
-        claimable = (Q(status=ErasureRequest.Status.PENDING)
-                     | Q(status=ErasureRequest.Status.RUNNING, task_id=task_id)
-                     | Q(status=ErasureRequest.Status.RUNNING, heartbeat_at__lt=stale))
-        n = (ErasureRequest.objects.for_tenant(tenant_id).filter(pk=request_id)
-             .filter(claimable)
-             .update(status=ErasureRequest.Status.RUNNING, task_id=task_id, heartbeat_at=now,
-                     attempts=F("attempts") + 1, started_at=Coalesce("started_at", now)))
+        n = jobs.claim(ErasureRequest, request_id, tenant_id, task_id,
+                       waiting=ErasureRequest.Status.PENDING, is_retry=is_retry,
+                       stale_after=timedelta(seconds=HEARTBEAT_STALE_S),
+                       attempts=F("attempts") + 1, started_at=Coalesce("started_at", now))
         if not n:
             return None
         req = ErasureRequest.objects.get(pk=request_id)
@@ -391,8 +389,7 @@ def _spool(req: ErasureRequest) -> None:
         waiting = [r for r in report if not r["drained"]]
         if not waiting or time.monotonic() > deadline:
             break
-        with tenant_context(req.tenant_id):  # heartbeat: the wait is not a crash
-            ErasureRequest.objects.filter(pk=req.pk).update(heartbeat_at=timezone.now())
+        jobs.heartbeat(ErasureRequest, req.pk, req.tenant_id)  # the wait is not a crash
         time.sleep(SPOOL_POLL_S)
     state.update(spools=report, drained=not waiting,
                  pending=[r["name"] for r in waiting])
@@ -894,7 +891,7 @@ def run_erasure(req: ErasureRequest) -> None:
 def erase_subject(self: Any, request_id: int, tenant_id: int) -> dict[str, Any]:
     """Run (or resume) an erasure request. Returns {status, stage}."""
     task_id = getattr(self.request, "id", None) or ""
-    req = _claim(int(request_id), int(tenant_id), task_id)
+    req = _claim(int(request_id), int(tenant_id), task_id, bool(self.request.retries))
     if req is None:
         with tenant_context(int(tenant_id)):
             current = (ErasureRequest.objects.for_tenant(tenant_id).filter(pk=request_id)

@@ -238,14 +238,42 @@ class ServiceGone(ServiceError):
     410."""
 
 
-def _user(actor: Any) -> Any:
+def acting_user(actor: Any) -> Any:
+    """The person behind `actor` (a Django user), None for a system actor ("system:...")."""
     return actor if hasattr(actor, "pk") else None
 
 
-def _reason_digest(reason: str) -> str:
+_user = acting_user
+
+
+def reason_digest(reason: str) -> str:
     """Free text stays out of the audit chain (it may name people, and the chain is never
     rewritten); its SHA-256 ties the stored row to the event."""
-    return hashlib.sha256(reason.encode()).hexdigest()
+    return hashlib.sha256((reason or "").encode()).hexdigest()
+
+
+_reason_digest = reason_digest
+
+
+def require_reason(reason: str, max_chars: int | None = None) -> str:
+    """The stripped reason (cut to `max_chars`), or ServiceError when there is none."""
+    reason = (reason or "").strip()
+    if not reason:
+        raise ServiceError("a reason is required")
+    return reason[:max_chars] if max_chars else reason
+
+
+def four_eyes_refusal(user: Any, version: Any) -> str:
+    """Why `user` may not decide on dataset `version` ('' when the four-eyes rule allows):
+    whoever froze it or asked for its approval never decides on it. The service refuses with
+    this, and the console shows it before anyone clicks."""
+    if version.requested_by_id and user.pk == version.requested_by_id:
+        return ("You requested this version; a different compliance officer must approve it "
+                "(four eyes).")
+    if version.created_by_id and user.pk == version.created_by_id:
+        return ("You froze this version; a different compliance officer must approve it "
+                "(four eyes).")
+    return ""
 
 
 # --- append-only rewards: the one way to delete them ---------------------------------------
@@ -404,15 +432,13 @@ def _decide(actor: Any, version: Any, reason: str, decision: str) -> Any:
         raise ServiceForbidden("only a compliance officer of this tenant may approve or reject "
                                "a dataset version")
     # Four eyes: whoever froze the version or asked for its approval never decides on it.
-    if user.pk in (version.created_by_id, version.requested_by_id):
+    if four_eyes_refusal(user, version):
         raise ServiceForbidden("four eyes: you froze or requested this version, so another "
                                "compliance officer must decide on it")
     if version.status != DatasetVersion.Status.PENDING_APPROVAL:
         raise ServiceConflict(f"version is {version.status}; only a version pending approval "
                               "can be decided")
-    reason = (reason or "").strip()
-    if not reason:
-        raise ServiceError("a reason is required")
+    reason = require_reason(reason)
     if decision == Approval.Decision.APPROVE:
         # Approval covers exactly the frozen content: refuse if it drifted since.
         current, _ = version_content_hash(version)

@@ -99,7 +99,7 @@ def _preload_sanitizer(**_: Any) -> None:
     """Load the sanitizer (spaCy, recognizers: seconds) and run it once when a worker starts,
     before it takes a task — in the parent process, so prefork children share all of it
     instead of each paying it on its first batch (which would add it to the capture lag)."""
-    if getattr(settings, "STEWARD_SANITIZER_PRELOAD", True):
+    if settings.STEWARD_SANITIZER_PRELOAD:
         from governance.sanitizer import get_sanitizer
 
         sanitizer = get_sanitizer()

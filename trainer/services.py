@@ -18,7 +18,6 @@ import os
 import re
 import tarfile
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,10 @@ from governance.services import ServiceConflict, ServiceError, ServiceForbidden
 from governance.tenancy import tenant_atomic
 from trainer import rewards
 from trainer.models import Checkpoint, TrainingJob
+from trainer.runtime import TINY_BASE, rollout_engine_for, stale_after
 from trainer.taskdata import version_refusal
+from trainer.tasks import run_training_job
 
-TINY_BASE = "tiny-qwen2"  # built offline by the task when missing (trainer/tiny.py)
 DEFAULT_REWARD_FN = "reference_answer"
 # Small on purpose: a job states what it wants; these keep an unconfigured one short.
 JOB_DEFAULTS: dict[str, Any] = {"total_steps": 10, "save_every": 5, "train_batch_size": 4,
@@ -46,12 +46,6 @@ TINY_DEFAULTS: dict[str, Any] = {"max_prompt_length": 96, "max_response_length":
 RESERVED_KEYS = {"model_path", "output_dir", "extra"}
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _REWARD_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-def stale_after() -> timedelta:
-    """A running job whose heartbeat (updated every step) is older than this has lost its
-    worker (STEWARD_TRAIN_STALE_SECONDS, default 15 minutes: longer than any one step)."""
-    return timedelta(seconds=getattr(settings, "STEWARD_TRAIN_STALE_SECONDS", 900))
 
 
 def models_dir() -> Path:
@@ -101,21 +95,6 @@ def build_config(overrides: dict[str, Any] | None, base_model: str, base_path: P
     return config.to_dict()
 
 
-def rollout_engine_for(config: Any) -> Any:
-    """The operator's rollout engine a GRPOConfig names (its rollout_url: an engine's name or
-    exact URL; "" the first listed), else ServiceError — checked at launch and again in the
-    task, so a job stored before the rule, or an engine the operator removed or made a
-    serving engine since, never gets a request."""
-    from governance.engines import EngineError, engines
-
-    if config.rollout_backend != "sglang":
-        raise ServiceError("rollout_url is only for rollout_backend 'sglang'")
-    try:
-        return engines().rollout_engine(config.rollout_url, "rollout_url")
-    except EngineError as exc:
-        raise ServiceError(str(exc)) from None
-
-
 def _check_trainable(version: DatasetVersion) -> None:
     reason = version_refusal(version)
     if reason:
@@ -125,8 +104,6 @@ def _check_trainable(version: DatasetVersion) -> None:
 def _enqueue(job_id: int) -> None:
     """After the commit (robust: a broker outage must not fail a request whose job is already
     queued; trainer.tasks.enqueue_queued_jobs sends such a job's message again later)."""
-    from trainer.tasks import run_training_job
-
     run_training_job.delay(job_id)
 
 

@@ -43,13 +43,14 @@ from django.db import InterfaceError, OperationalError, connection
 from django.db.models import Q
 from django.utils import timezone
 
+from governance import jobs
 from governance.audit import record_event
 from governance.datasets import version_content_hash
 from governance.models import DatasetVersion
 from governance.tenancy import tenant_context
 from trainer.lineage import build_manifest, code_version, manifest_sha256, write_manifest
 from trainer.models import Checkpoint, TrainingJob, TrainingMetric
-from trainer.services import TINY_BASE, stale_after
+from trainer.runtime import TINY_BASE, rollout_engine_for, stale_after
 from trainer.taskdata import (
     Example,
     iter_examples,
@@ -78,14 +79,11 @@ def job_tenant(job_id: int) -> int | None:
 
 
 def claim(job_id: int, tenant_id: int, task_id: str, is_retry: bool) -> bool:
-    now = timezone.now()
-    mine = Q(status=TrainingJob.Status.RUNNING, task_id=task_id) & (
-        Q(pk__isnull=False) if is_retry else Q(heartbeat_at__lt=now - stale_after()))
-    with tenant_context(tenant_id):
-        updated = (TrainingJob.objects.filter(pk=job_id)
-                   .filter(Q(status=TrainingJob.Status.QUEUED) | mine)
-                   .update(status=TrainingJob.Status.RUNNING, task_id=task_id,
-                           started_at=now, heartbeat_at=now, error=""))
+    """The claim rule of governance.jobs (a live run's redelivered message claims nothing)."""
+    with tenant_context(tenant_id):  # the claim and its audit event commit together
+        updated = jobs.claim(TrainingJob, job_id, tenant_id, task_id,
+                             waiting=TrainingJob.Status.QUEUED, is_retry=is_retry,
+                             stale_after=stale_after(), started_at=timezone.now(), error="")
         if updated:
             job = TrainingJob.objects.get(pk=job_id)
             job.attempts += 1
@@ -243,8 +241,7 @@ class JobRun:
             TrainingMetric.objects.update_or_create(
                 job_id=self.job.pk, step=step,
                 defaults={"tenant_id": self.tenant_id, **values, "extra": extra})
-            TrainingJob.objects.filter(pk=self.job.pk).update(
-                step=step, last_metrics=last, heartbeat_at=timezone.now())
+            jobs.heartbeat(TrainingJob, self.job.pk, self.tenant_id, step=step, last_metrics=last)
             if "checkpoint" in m:
                 self.record_checkpoint(Path(m["checkpoint"]))
 
@@ -304,7 +301,6 @@ def rollout_backend(config: Any) -> Any:
         return None
     from governance.services import ServiceError
     from trainer.rollout import SGLangRollout
-    from trainer.services import rollout_engine_for
 
     try:
         engine = rollout_engine_for(config)

@@ -36,6 +36,7 @@ from governance.services import (
     ServiceError,
     ServiceForbidden,
     approve_version,
+    four_eyes_refusal,
     reject_version,
 )
 from governance.tenancy import tenant_context
@@ -84,15 +85,7 @@ def deciders(tenant: Any, version: DatasetVersion) -> list[str]:
                 .values_list("user__username", flat=True))
 
 
-def four_eyes_reason(user: Any, version: DatasetVersion) -> str:
-    """Why this person may not decide on this version ('' when the four-eyes rule allows)."""
-    if version.requested_by_id and user.pk == version.requested_by_id:
-        return ("You requested this version; a different compliance officer must approve it "
-                "(four eyes).")
-    if version.created_by_id and user.pk == version.created_by_id:
-        return ("You froze this version; a different compliance officer must approve it "
-                "(four eyes).")
-    return ""
+four_eyes_reason = four_eyes_refusal  # the service's rule, shown before anyone clicks
 
 
 def _first_text(messages_: Any, role: str) -> str:
