@@ -82,7 +82,6 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from governance.audit import record_event
-from governance.crypto import subject_hash
 from governance.datasets import version_content_hash
 from governance.models import (
     AuditEvent,
@@ -97,6 +96,7 @@ from governance.models import (
     Tenant,
 )
 from governance.tenancy import tenant_atomic, tenant_context
+from wire.crypto import subject_hash
 
 log = logging.getLogger("steward.erasure")
 
@@ -402,7 +402,7 @@ def _strings(value: Any, out: list[str]) -> None:
 def _body_texts(data: bytes) -> list[str]:
     """The text of a body as bytes, and, when it is JSON (or a stream of JSON events), every
     string in it unescaped (a name written with \\u escapes is found too)."""
-    from governance.capture import iter_sse
+    from governance.capture.steps import iter_sse
 
     out = [data.decode("utf-8", errors="replace")]
     try:
@@ -418,7 +418,7 @@ def _body_texts(data: bytes) -> list[str]:
 
 def raw_texts(raw: dict[str, Any]) -> list[str]:
     """Every text of a raw exchange (or a spool record): path, header values, bodies, error."""
-    from governance.rawstore import decode_body
+    from governance.capture.rawstore import decode_body
 
     texts: list[str] = []
     for key in ("path", "session_id", "subject"):
@@ -469,7 +469,7 @@ def find_subject(texts: list[str], wanted: set[str], hasher: Any, sanitizer: Any
 
 
 def _never_indexed(tenant_id: int, after: int) -> list[Interaction]:
-    from governance.capture import UNSCANNED_KEY
+    from governance.capture.steps import UNSCANNED_KEY
 
     return list(
         Interaction.objects.for_tenant(tenant_id).select_related("data_key")
@@ -483,9 +483,9 @@ def _never_indexed(tenant_id: int, after: int) -> list[Interaction]:
 def _scan(req: ErasureRequest) -> int:
     """Scan never-indexed payloads newer than the last scanned (see the module docstring).
     Returns how many matched. Decryption and the search run outside any transaction."""
-    from governance.crypto import subject_hasher
-    from governance.rawstore import RawPayloadUnavailable, open_dead_letter, open_raw
+    from governance.capture.rawstore import RawPayloadUnavailable, open_dead_letter, open_raw
     from governance.sanitizing import sanitizer_for_tenant
+    from wire.crypto import subject_hasher
 
     tenant_id = req.tenant_id
     wanted = set(req.lookup_hashes)

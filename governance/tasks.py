@@ -48,8 +48,8 @@ from django.db import DatabaseError, InterfaceError, OperationalError, transacti
 from django.utils import timezone
 
 from governance.audit import record_event
-from governance.capture import CaptureError, Exchange, fields_from_exchange, parse_exchange
-from governance.crypto import subject_hash
+from governance.capture.rawstore import RawPayloadUnavailable, decode_body, open_raw
+from governance.capture.steps import CaptureError, Exchange, fields_from_exchange, parse_exchange
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
 from governance.models import (
     Consent,
@@ -60,7 +60,6 @@ from governance.models import (
     Tenant,
     Trajectory,
 )
-from governance.rawstore import RawPayloadUnavailable, decode_body, open_raw
 from governance.sanitizer import SANITIZER_VERSION, PlaceholderState
 from governance.sanitizing import (
     Sanitized,
@@ -70,6 +69,7 @@ from governance.sanitizing import (
     sanitizer_for_tenant,
 )
 from governance.tenancy import interaction_tenants, tenant_context
+from wire.crypto import subject_hash
 
 log = logging.getLogger("steward.capture")
 

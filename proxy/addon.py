@@ -15,7 +15,7 @@ table is refreshed by a thread, the spool is written by a thread):
   All refusals are OpenAI error JSON and nothing is forwarded.
 - The agent's key is replaced by `Bearer $STEWARD_UPSTREAM_API_KEY` (removed when unset), and
   `X-Steward-*` headers are stripped before forwarding. A canary route sends its sessions only
-  to an engine the operator listed (proxy/engines.py), with that engine's own credential; a
+  to an engine the operator listed (wire/engines.py), with that engine's own credential; a
   route naming any other URL is not followed (its sessions stay on the control upstream).
 - Captured (spooled) are only `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`;
   `GET /v1/models` and allow-listed paths pass through uncaptured. On captured paths
@@ -67,10 +67,7 @@ if _ROOT not in sys.path:
 import orjson  # noqa: E402
 from mitmproxy import ctx, http  # noqa: E402
 
-from governance.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
 from proxy import dispatch, errors  # noqa: E402
-from proxy.engines import Engine, Engines  # noqa: E402
-from proxy.ids import new_id  # noqa: E402
 from proxy.inference import (  # noqa: E402
     NEW,
     Decision,
@@ -91,6 +88,9 @@ from proxy.routing import (  # noqa: E402
     upstream_parts,
 )
 from proxy.spool import SpoolWriter  # noqa: E402
+from wire.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
+from wire.engines import Engine, Engines  # noqa: E402
+from wire.ids import new_id  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
 
@@ -127,7 +127,7 @@ class Settings:
         self.database_url: str = values["database_url"]
         self.master_key_env: str = values["master_key_env"]
         self.master_key_file: str = values["master_key_file"]
-        # The operator's candidate engines (proxy/engines.py): a canary route is followed only
+        # The operator's candidate engines (wire/engines.py): a canary route is followed only
         # to one of them, with that engine's own credential.
         self.engines: Engines = values.get("engines") or Engines(lambda _name: None)
 

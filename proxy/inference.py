@@ -33,8 +33,8 @@ from typing import Any
 
 import orjson
 
-from governance.capture import message_text  # Django-free
-from proxy.ids import new_id, session_trajectory_id
+from governance.capture.steps import message_text  # Django-free
+from wire.ids import new_id, session_trajectory_id
 
 SESSION, PREFIX, PREVIOUS_RESPONSE, NEW = "session", "prefix", "previous_response", "new"
 

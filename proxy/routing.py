@@ -22,7 +22,7 @@ a proxy restarted during an outage still routes as before (docs/decisions.md, de
 
 Assignment. Only NEW sessions are assigned: a trajectory id this process has not seen before
 whose trajectory is new (a new uuid4, or an `X-Steward-Session` seen for the first time — its
-trajectory id is uuid5 of tenant, agent and session, proxy/ids.py). An inferred continuation
+trajectory id is uuid5 of tenant, agent and session, wire/ids.py). An inferred continuation
 (prefix / previous_response_id) that is unknown here belongs to a trajectory that began before
 anything was recorded and is never assigned mid-way. A new session goes to the candidate iff
 HMAC-SHA256(key, "<route id>:<trajectory id>"), read as a number in [0, 1), is below the
@@ -66,8 +66,8 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from proxy.engines import EngineError, validate_http_url
 from proxy.keys import PolledConnection, write_snapshot_file
+from wire.engines import EngineError, validate_http_url
 
 log = logging.getLogger("steward.routing")
 
@@ -84,7 +84,7 @@ FROM steward_proxy_context_updates()
 ASSIGNMENTS_SQL = "SELECT route_id, trajectory_id, arm FROM steward_proxy_route_assignments(%s)"
 
 CONTROL, CANDIDATE = "control", "candidate"
-# The HKDF purpose (governance.crypto.derive_key) of the key that assigns sessions.
+# The HKDF purpose (wire.crypto.derive_key) of the key that assigns sessions.
 ASSIGNMENT_KEY_PURPOSE = "canary-assignment"
 NEW_SOURCES = ("new", "session")  # trajectory sources that may start a session (inference.py)
 
@@ -271,7 +271,7 @@ def apply_plan(endpoint: str, body: Any, plan: Plan) -> list[Update]:
 
 def upstream_parts(url: str) -> tuple[str, str, int, str] | None:
     """(scheme, host, port, path prefix) of a candidate upstream URL; None for one the URL
-    check (proxy/engines.py) refuses."""
+    check (wire/engines.py) refuses."""
     try:
         parts = urlsplit(validate_http_url(url))
     except EngineError:

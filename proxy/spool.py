@@ -20,7 +20,7 @@ crashed proxy's), so they can be shipped to the end and deleted; offset files wh
 gone are deleted by the shipper's pass (`read_batches`). Older spools named offsets
 `<segment>.offset` (suffix included); they are read and cleaned up too.
 
-The shipper (proxy/shipper.py) reads complete lines from both kinds, commits them to
+The shipper (governance/capture/shipper.py) reads complete lines from both kinds, commits them to
 PostgreSQL idempotently (flow id is unique), then writes the offset; a closed segment whose
 offset reached its size is deleted. Spool files therefore hold raw payloads only encrypted, and
 only until shipped.
@@ -43,7 +43,7 @@ from typing import Any
 import orjson
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from governance.crypto import derive_key, open_sealed, seal
+from wire.crypto import derive_key, open_sealed, seal
 
 log = logging.getLogger("steward.spool")
 

@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from governance.crypto import master_key
 from proxy.spool import SpoolWriter
+from wire.crypto import master_key
 
 
 def b64(data: bytes) -> str:
@@ -86,8 +86,8 @@ def write_records(spool_dir: Path, records: list[dict]) -> None:
 
 def ship_and_build(spool_dir: Path, records: list[dict]) -> dict:
     """Write, ship (no broker) and build the steps in-process; returns the shipper counts."""
+    from governance.capture.shipper import ship_once
     from governance.tasks import build_steps
-    from proxy.shipper import ship_once
 
     write_records(spool_dir, records)
     collected: list[int] = []

@@ -13,7 +13,6 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from governance.crypto import subject_hash
 from governance.models import (
     Approval,
     AuditEvent,
@@ -29,6 +28,7 @@ from governance.models import (
 )
 from governance.sanitizer import normalize_identifier
 from tests.govdata import make_trajectory
+from wire.crypto import subject_hash
 
 ROLES = ["admin", "steward", "compliance", "auditor"]
 EMAIL = "Maria.Garcia@Example.com"

@@ -1,5 +1,5 @@
 """The operator's engines (issue 12, items 2 and 3): every URL a person gives the control plane
-or a training job names an engine the operator listed (proxy/engines.py), each engine gets
+or a training job names an engine the operator listed (wire/engines.py), each engine gets
 only its own credential, a rollout engine never serves agents, and one URL check refuses
 file:// and every other non-http(s) scheme. The live-proxy half (a canary route is followed
 only to a listed engine, with its credential) is in tests/test_routing.py."""
@@ -12,12 +12,12 @@ from aiohttp import web
 from governance import services as gov
 from governance.models import PolicyRoute
 from governance.services import ServiceError
-from proxy.engines import EngineError, Engines, validate_http_url
 from tests.live import serve_app
 from tests.test_evolution import FakeModels, tiny_checkpoint, var_dir  # noqa: F401 - fixture
 from trainer import evolution_services as svc
 from trainer.evolution_tasks import run_gates
 from trainer.models import Candidate, EvolutionPolicy
+from wire.engines import EngineError, Engines, validate_http_url
 
 HOSTILE_URLS = ["file:///etc/passwd", "gopher://127.0.0.1:6379/_FLUSHALL", "ftp://x/y",
                 "javascript:alert(1)", "http:///no-host", "http://user:pw@engine:30000",

@@ -6,7 +6,6 @@ import uuid
 
 import orjson
 
-from proxy.ids import STEWARD_NAMESPACE, new_id, session_trajectory_id
 from proxy.inference import (
     NEW,
     PREFIX,
@@ -21,6 +20,7 @@ from proxy.inference import (
     response_id,
     sse_payloads,
 )
+from wire.ids import STEWARD_NAMESPACE, new_id, session_trajectory_id
 
 SCOPE = (1, 2)
 SYSTEM = {"role": "system", "content": "You are helpful."}

@@ -34,8 +34,7 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from governance.capture import fields_from_exchange, parse_exchange
-from governance.crypto import subject_hash
+from governance.capture.steps import fields_from_exchange, parse_exchange
 from governance.models import (
     AuditEvent,
     DataKey,
@@ -56,6 +55,7 @@ from governance.sanitizing import BINARY_MARKER, finish_fields, sanitize_exchang
 from tests.live import database_url_from_django
 from tests.live import master_key as live_master_key
 from tests.pipeline import chat_response, make_record, ship_and_build
+from wire.crypto import subject_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -424,8 +424,8 @@ def test_canaries_never_reach_step_fields(plain_sanitizer, local, digits, where)
 
 @pytest.mark.timeout(300)
 def test_end_to_end_through_the_proxy(steward_proxy, proxy_key, make_member, api_client_for):
+    from governance.capture.shipper import Shipper
     from governance.tasks import build_steps
-    from proxy.shipper import Shipper
 
     tenant = proxy_key.tenant
     client = openai.OpenAI(base_url=steward_proxy.base_url, api_key=proxy_key.secret,

@@ -40,7 +40,7 @@ from typing import Any
 
 from django.db.models import Q
 
-from governance.capture import message_text
+from governance.capture.steps import message_text
 from governance.datasets import pinned_rewards
 from governance.models import DatasetVersion, DatasetVersionMember, Reward, Step
 

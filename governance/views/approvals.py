@@ -19,7 +19,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from governance.capture import message_text
+from governance.capture.steps import message_text
 from governance.datasets import pinned_rewards, review_sample
 from governance.models import (
     DatasetVersion,

@@ -153,20 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         from django.db import connection, transaction
 
         from governance import services as gov
-        from governance.crypto import subject_hash
+        from governance.capture.rawstore import data_keys_for
         from governance.erasure import erase_subject, lookup_hashes, request_erasure
         from governance.models import (
             Dataset,
             DatasetVersion,
             ErasureRequest,
         )
-        from governance.rawstore import data_keys_for
         from governance.sanitizer import normalize_identifier
         from governance.tenancy import (
             ensure_app_role,
             grant_app_privileges,
             tenant_context,
         )
+        from wire.crypto import subject_hash
 
         tenant = gov.create_tenant("system:bench", "bench", "Bench")[0]
         agent = gov.ensure_agent("system:bench", tenant, "bench-agent")

@@ -65,12 +65,7 @@ from django.db.models.functions import Greatest, Least
 from django.utils import timezone
 
 from governance.audit import record_event
-from governance.capture import ENDPOINTS
-from governance.crypto import master_key as configured_master_key
-from governance.crypto import subject_hash as keyed_subject_hash
-from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
-from governance.models import Agent, Consent, DeadLetter, Interaction, SpoolState, Trajectory
-from governance.rawstore import (
+from governance.capture.rawstore import (
     data_keys_for,
     decode_body,
     insert_ignore_conflicts,
@@ -80,6 +75,9 @@ from governance.rawstore import (
     seal_raw,
     unwrap,
 )
+from governance.capture.steps import ENDPOINTS
+from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
+from governance.models import Agent, Consent, DeadLetter, Interaction, SpoolState, Trajectory
 from governance.tenancy import tenant_context
 from proxy.spool import (
     SegmentBatch,
@@ -91,6 +89,8 @@ from proxy.spool import (
     segments,
     spool_key,
 )
+from wire.crypto import master_key as configured_master_key
+from wire.crypto import subject_hash as keyed_subject_hash
 
 log = logging.getLogger("steward.shipper")
 
