@@ -83,6 +83,7 @@ from django.utils import timezone
 
 from governance.audit import record_event
 from governance.datasets import version_content_hash
+from governance.keyring import subject_hash
 from governance.models import (
     AuditEvent,
     DatasetVersion,
@@ -96,7 +97,6 @@ from governance.models import (
     Tenant,
 )
 from governance.tenancy import tenant_atomic, tenant_context
-from wire.crypto import subject_hash
 
 log = logging.getLogger("steward.erasure")
 
@@ -122,7 +122,7 @@ SCAN_MAX_WORDS = 6
 SCAN_ENTITY = "ERASURE_SCAN"
 _EDGE_PUNCT = ".,;:!?()[]{}<>\"'`*"
 # Identifier types of the subject index (governance.recognizers.IDENTIFIER_TYPES) under whose
-# normalisation a looked-up subject is hashed; the header hash (crypto.subject_hash of the
+# normalisation a looked-up subject is hashed; the header hash (keyring.subject_hash of the
 # subject as given) is always included.
 _PHONE_LIKE = re.compile(r"^[\d\s().+\-/x]+$|^[\d\s().+\-/]+(?:ext\.?|extension)\s*\d+$", re.I)
 
@@ -484,8 +484,8 @@ def _scan(req: ErasureRequest) -> int:
     """Scan never-indexed payloads newer than the last scanned (see the module docstring).
     Returns how many matched. Decryption and the search run outside any transaction."""
     from governance.capture.rawstore import RawPayloadUnavailable, open_dead_letter, open_raw
+    from governance.keyring import subject_hasher
     from governance.sanitizing import sanitizer_for_tenant
-    from wire.crypto import subject_hasher
 
     tenant_id = req.tenant_id
     wanted = set(req.lookup_hashes)

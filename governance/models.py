@@ -308,7 +308,7 @@ class Finding(models.Model):
 class SubjectIndex(models.Model):
     """Which trajectories are about a data subject, for erasure: one row per identifier the
     sanitizer found in a step (email, phone, name, IBAN, ...: `hash` =
-    crypto.subject_hash(tenant, normalize_identifier(type, value))) and one per interaction
+    keyring.subject_hash(tenant, normalize_identifier(type, value))) and one per interaction
     that named a subject in X-Steward-Subject (`entity_type` SUBJECT_HEADER, `hash` = the
     interaction's subject_hash; `step` null when the interaction was quarantined). Keyed
     hashes only: the index cannot be read back into identifiers."""
@@ -576,7 +576,7 @@ class RetentionPolicy(models.Model):
 
 class ErasureRequest(models.Model):
     """A GDPR Art. 17 erasure of one data subject in one tenant (governance/erasure.py). The
-    subject is stored only as keyed hashes: `subject_hash` (crypto.subject_hash of the subject
+    subject is stored only as keyed hashes: `subject_hash` (keyring.subject_hash of the subject
     as given) and `lookup_hashes` (the same under each identifier type's normalisation — what
     the subject index and the suppression list hold). The job is chunked and resumable: `stage`
     and `progress` are saved with every batch."""

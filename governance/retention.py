@@ -37,8 +37,8 @@ from django.db.models import Count, Exists, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from governance.atdp import CLASSIFICATION_ORDER
 from governance.audit import record_event
+from governance.capture.atdp import CLASSIFICATION_ORDER
 from governance.models import (
     DeadLetter,
     Interaction,

@@ -51,6 +51,7 @@ from governance.audit import record_event
 from governance.capture.rawstore import RawPayloadUnavailable, decode_body, open_raw
 from governance.capture.steps import CaptureError, Exchange, fields_from_exchange, parse_exchange
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
+from governance.keyring import subject_hash
 from governance.models import (
     Consent,
     Finding,
@@ -69,7 +70,6 @@ from governance.sanitizing import (
     sanitizer_for_tenant,
 )
 from governance.tenancy import interaction_tenants, tenant_context
-from wire.crypto import subject_hash
 
 log = logging.getLogger("steward.capture")
 

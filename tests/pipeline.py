@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from governance.keyring import master_key
 from proxy.spool import SpoolWriter
-from wire.crypto import master_key
 
 
 def b64(data: bytes) -> str:

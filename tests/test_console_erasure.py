@@ -9,10 +9,10 @@ import pytest
 
 from governance import services as gov
 from governance.erasure import erase_subject, request_erasure
+from governance.keyring import subject_hash
 from governance.models import AuditEvent, ErasureRequest, Trajectory
 from governance.views.erasure import pending_erasures_count
 from tests.govdata import make_trajectory
-from wire.crypto import subject_hash
 
 EMAIL = "jane.roe@example.com"
 ROLES_ALLOWED = ["admin", "compliance"]

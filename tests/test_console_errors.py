@@ -45,9 +45,9 @@ def test_an_erased_trajectory_answers_404_with_the_request_that_erased_it(
         client, make_member, tenant, settings, tmp_path):
     from governance import services as gov
     from governance.erasure import erase_subject, request_erasure
+    from governance.keyring import subject_hash
     from governance.models import ErasureRequest
     from tests.govdata import make_trajectory
-    from wire.crypto import subject_hash
 
     settings.STEWARD_SPOOL_DIR = tmp_path / "spool"
     settings.VAR_DIR = tmp_path / "var"

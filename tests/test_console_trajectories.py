@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from governance.keyring import subject_hash
 from governance.models import (
     Approval,
     AuditEvent,
@@ -28,7 +29,6 @@ from governance.models import (
 )
 from governance.sanitizer import normalize_identifier
 from tests.govdata import make_trajectory
-from wire.crypto import subject_hash
 
 ROLES = ["admin", "steward", "compliance", "auditor"]
 EMAIL = "Maria.Garcia@Example.com"

@@ -22,6 +22,7 @@ from governance.erasure import (
     post_condition,
     request_erasure,
 )
+from governance.keyring import subject_hash
 from governance.models import (
     AuditEvent,
     DataKey,
@@ -38,7 +39,6 @@ from governance.models import (
 from tests.govdata import make_trajectory
 from tests.live import celery_worker
 from tests.pipeline import chat_response, make_record, ship_and_build
-from wire.crypto import subject_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 EMAIL = "jane.roe@example.com"

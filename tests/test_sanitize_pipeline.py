@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from governance.capture.steps import fields_from_exchange, parse_exchange
+from governance.keyring import subject_hash
 from governance.models import (
     AuditEvent,
     DataKey,
@@ -55,7 +56,6 @@ from governance.sanitizing import BINARY_MARKER, finish_fields, sanitize_exchang
 from tests.live import database_url_from_django
 from tests.live import master_key as live_master_key
 from tests.pipeline import chat_response, make_record, ship_and_build
-from wire.crypto import subject_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,13 +21,13 @@ from django.utils import timezone
 
 from governance.capture.rawstore import data_key_aad, decode_body, open_dead_letter, open_raw
 from governance.capture.shipper import DEAD_LETTER_NAME, Shipper, ship_once
+from governance.keyring import master_key, subject_hash
 from governance.models import AuditEvent, DataKey, DeadLetter, Interaction, Step, Trajectory
 from governance.sanitizer import SANITIZER_VERSION
 from governance.tasks import build_pending_steps, build_steps
 from proxy.spool import SpoolWriter, segments
 from tests.pipeline import chat_response, make_record, write_records
 from tests.relay import TcpRelay
-from wire.crypto import master_key, subject_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Redis-broker test runs only where a Redis is named (.ci/run sets it); everything else uses
@@ -90,7 +90,7 @@ def test_ship_once_inserts_encrypts_and_enqueues(tenant, agent, tmp_path,
     # AAD binds the wrapped key to its tenant and subject: moved to another row, it won't open.
     from cryptography.exceptions import InvalidTag
 
-    from wire.crypto import unwrap_data_key
+    from governance.keyring import unwrap_data_key
     with pytest.raises(InvalidTag):
         unwrap_data_key(bytes(keys[h].wrapped_key), data_key_aad(tenant.pk, ""))
 

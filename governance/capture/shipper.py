@@ -77,6 +77,8 @@ from governance.capture.rawstore import (
 )
 from governance.capture.steps import ENDPOINTS
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
+from governance.keyring import master_key as configured_master_key
+from governance.keyring import subject_hash as keyed_subject_hash
 from governance.models import Agent, Consent, DeadLetter, Interaction, SpoolState, Trajectory
 from governance.tenancy import tenant_context
 from proxy.spool import (
@@ -89,8 +91,6 @@ from proxy.spool import (
     segments,
     spool_key,
 )
-from wire.crypto import master_key as configured_master_key
-from wire.crypto import subject_hash as keyed_subject_hash
 
 log = logging.getLogger("steward.shipper")
 

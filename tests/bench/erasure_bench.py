@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         from governance import services as gov
         from governance.capture.rawstore import data_keys_for
         from governance.erasure import erase_subject, lookup_hashes, request_erasure
+        from governance.keyring import subject_hash
         from governance.models import (
             Dataset,
             DatasetVersion,
@@ -166,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
             grant_app_privileges,
             tenant_context,
         )
-        from wire.crypto import subject_hash
 
         tenant = gov.create_tenant("system:bench", "bench", "Bench")[0]
         agent = gov.ensure_agent("system:bench", tenant, "bench-agent")

@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         django.setup()
         from django.db import connection
 
+        from governance.keyring import master_key
         from governance.services import create_tenant, ensure_agent
         from proxy.spool import SpoolWriter
-        from wire.crypto import master_key
 
         tenant = create_tenant("system:bench", "bench", "Bench")[0]
         agent = ensure_agent("system:bench", tenant, "bench-agent")
