@@ -402,7 +402,7 @@ def _strings(value: Any, out: list[str]) -> None:
 def _body_texts(data: bytes) -> list[str]:
     """The text of a body as bytes, and, when it is JSON (or a stream of JSON events), every
     string in it unescaped (a name written with \\u escapes is found too)."""
-    from governance.capture.steps import iter_sse
+    from wire.sse import iter_sse
 
     out = [data.decode("utf-8", errors="replace")]
     try:

@@ -72,10 +72,8 @@ from proxy.inference import (  # noqa: E402
     NEW,
     Decision,
     TrajectoryIndex,
-    chat_answer,
     decide,
     prefix_hashes,
-    response_id,
 )
 from proxy.keys import KeyInfo, KeyTable  # noqa: E402
 from proxy.paths import PathPolicy  # noqa: E402
@@ -91,6 +89,7 @@ from proxy.spool import SpoolWriter  # noqa: E402
 from wire.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
 from wire.engines import Engine, Engines  # noqa: E402
 from wire.ids import new_id  # noqa: E402
+from wire.openai import chat_answer, response_id  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from governance.capture.steps import CaptureError, build_step_fields, canonical_json, iter_sse
+from governance.capture.steps import CaptureError, build_step_fields, canonical_json
+from wire.sse import iter_sse
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]

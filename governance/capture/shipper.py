@@ -75,7 +75,6 @@ from governance.capture.rawstore import (
     seal_raw,
     unwrap,
 )
-from governance.capture.steps import ENDPOINTS
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
 from governance.keyring import master_key as configured_master_key
 from governance.keyring import subject_hash as keyed_subject_hash
@@ -91,6 +90,7 @@ from proxy.spool import (
     segments,
     spool_key,
 )
+from wire.openai import ENDPOINTS
 
 log = logging.getLogger("steward.shipper")
 
