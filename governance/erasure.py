@@ -302,7 +302,7 @@ def _suppress(req: ErasureRequest) -> None:
 
 def _local_sizes(spool_dir: Path) -> dict[str, int]:
     """Each segment of a spool directory on this host -> its size now (what must ship)."""
-    from proxy.spool import segments
+    from wire.spool import segments
 
     out: dict[str, int] = {}
     for path in segments(spool_dir) if spool_dir.is_dir() else []:
@@ -316,7 +316,7 @@ def _local_sizes(spool_dir: Path) -> dict[str, int]:
 def _local_pending(spool_dir: Path, sizes: dict[str, int]) -> int:
     """Segments of the snapshot not yet shipped up to their size then (a segment renamed from
     .open to .log keeps its offset file's stem; a deleted one is fully shipped)."""
-    from proxy.spool import read_offset
+    from wire.spool import read_offset
 
     pending = 0
     for name, size in sizes.items():

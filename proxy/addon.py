@@ -31,7 +31,7 @@ table is refreshed by a thread, the spool is written by a thread):
   for STEWARD_STREAM_IDLE_TIMEOUT between chunks is closed (error kind stream_idle_timeout).
   The record keeps at most STEWARD_MAX_CAPTURE_BYTES of a response (`response_truncated`
   says how much came); the agent always gets all of it.
-- When the exchange ends (`response` or `error`), one spool record (contract in proxy/spool.py's
+- When the exchange ends (`response` or `error`), one spool record (contract in wire/spool.py's
   reader and the shipper) is built and the inference index learns the exchange. That work
   runs in a `call_soon` callback, i.e. after mitmproxy has written the response to the agent;
   records reach the spool writer thread in bursts every 20 ms (one wake-up and fsync per burst).

@@ -1,5 +1,5 @@
 """Helpers for tests of the capture pipeline: spool records as the proxy writes them (the
-contract in proxy/spool.py's callers), shipping them with the real shipper and building steps
+contract in wire/spool.py's readers), shipping them with the real shipper and building steps
 with the real task, in-process."""
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from governance.capture.shipper import Shipper, ship_once, storable_text
 from governance.keyring import subject_hash
 from governance.models import DeadLetter, Interaction, Step, Trajectory
 from governance.tasks import build_steps
-from proxy.spool import segments
 from tests.pipeline import chat_response, make_record, write_records
 from tests.test_shipper import _child_env
+from wire.spool import segments
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,9 +25,10 @@ from governance.keyring import master_key, subject_hash
 from governance.models import AuditEvent, DataKey, DeadLetter, Interaction, Step, Trajectory
 from governance.sanitizer import SANITIZER_VERSION
 from governance.tasks import build_pending_steps, build_steps
-from proxy.spool import SpoolWriter, segments
+from proxy.spool import SpoolWriter
 from tests.pipeline import chat_response, make_record, write_records
 from tests.relay import TcpRelay
+from wire.spool import segments
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Redis-broker test runs only where a Redis is named (.ci/run sets it); everything else uses

@@ -1,7 +1,7 @@
 """The spool shipper: moves finished exchanges from the proxy's local encrypted spool into
 PostgreSQL, exactly once.
 
-For each batch of `proxy.spool.read_batches`, one transaction inserts the Interaction rows
+For each batch of `wire.spool.read_batches`, one transaction inserts the Interaction rows
 (INSERT ... ON CONFLICT DO NOTHING: `flow_id` is unique, so re-reading a segment after a crash
 inserts nothing twice), upserts their Trajectory rows, creates the missing data keys and seals
 each raw exchange under its subject's (or tenant's) data key. Only after COMMIT does the shipper
@@ -80,7 +80,8 @@ from governance.keyring import master_key as configured_master_key
 from governance.keyring import subject_hash as keyed_subject_hash
 from governance.models import Agent, Consent, DeadLetter, Interaction, SpoolState, Trajectory
 from governance.tenancy import tenant_context
-from proxy.spool import (
+from wire.openai import ENDPOINTS
+from wire.spool import (
     SegmentBatch,
     commit_offset,
     decode_line,
@@ -90,7 +91,6 @@ from proxy.spool import (
     segments,
     spool_key,
 )
-from wire.openai import ENDPOINTS
 
 log = logging.getLogger("steward.shipper")
 
