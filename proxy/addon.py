@@ -83,13 +83,13 @@ from proxy.routing import (  # noqa: E402
     Plan,
     RoutingTable,
     apply_plan,
-    upstream_parts,
 )
 from proxy.spool import SpoolWriter  # noqa: E402
 from wire.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
 from wire.engines import Engine, Engines  # noqa: E402
 from wire.ids import new_id  # noqa: E402
 from wire.openai import chat_answer, response_id  # noqa: E402
+from wire.rewrite import upstream_parts  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
 
