@@ -503,7 +503,7 @@ class Launcher:
             env["DJANGO_SECRET_KEY"] = read_or_create_secret(
                 self.var_dir / "secret.key", lambda: secrets.token_urlsafe(50))
         if not env.get("STEWARD_MASTER_KEY"):
-            from governance.crypto import load_master_key
+            from wire.crypto import load_master_key
 
             key_file = env.get("STEWARD_MASTER_KEY_FILE") or str(self.var_dir / "master.key")
             load_master_key("", key_file, create=True)  # validates an existing one too

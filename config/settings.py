@@ -246,7 +246,7 @@ STEWARD_SGLANG_API_KEY = os.environ.get("STEWARD_SGLANG_API_KEY", "")
 # An SGLang serving the candidate arm of a weight canary (evolution/services.py).
 STEWARD_SGLANG_CANARY_URL = os.environ.get("STEWARD_SGLANG_CANARY_URL", "")
 STEWARD_UPSTREAM_API_KEY = os.environ.get("STEWARD_UPSTREAM_API_KEY", "").strip()
-# The operator's engines (proxy/engines.py): the only URLs a candidate, a baseline, a canary
+# The operator's engines (wire/engines.py): the only URLs a candidate, a baseline, a canary
 # route or a training job may name. "name=url" pairs; each one's credential is
 # STEWARD_ENGINE_<NAME>_API_KEY. Rollout engines never serve agents.
 STEWARD_ENGINE_ALLOWLIST = os.environ.get("STEWARD_ENGINE_ALLOWLIST", "")

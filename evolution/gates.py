@@ -382,11 +382,11 @@ def user_prompt(text: str) -> Prompt:
 def apply_context_update(body: dict[str, Any], kind: str, content: dict[str, Any]
                          ) -> dict[str, Any]:
     """A chat request as the proxy sends it under a context update (a new dict; the input is
-    not changed): the proxy's own rewrite functions (proxy/routing.py), so the gates judge
+    not changed): the proxy's own rewrite functions (wire/rewrite.py), so the gates judge
     exactly what the canary will serve. `system_prompt` appends content["snippet"] to the
     system message (a new one first when there is none); `tool_schema` replaces the definition
     of each offered tool named in content["tools"]."""
-    from proxy.routing import apply_system_prompt, apply_tool_schema
+    from wire.rewrite import apply_system_prompt, apply_tool_schema
 
     out = json.loads(json.dumps(body))
     if kind == "system_prompt" and (content or {}).get("snippet"):

@@ -31,13 +31,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from governance.atdp import (
+from governance.audit import verify_full_chain, verify_new_events
+from governance.capture.atdp import (
     atdp_schema,
     trajectory_document,
     trajectory_rewards,
     with_capture_status,
 )
-from governance.audit import verify_full_chain, verify_new_events
 from governance.models import (
     AuditEvent,
     Dataset,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from rest_framework import authentication, exceptions
 
-from governance.crypto import token_hash
 from governance.models import ApiToken, Membership
 from governance.tenancy import (
     api_token_lookup,
@@ -17,6 +16,7 @@ from governance.tenancy import (
     set_request_tenant,
     tenant_context,
 )
+from wire.crypto import token_hash
 
 
 class ApiTokenAuthentication(authentication.BaseAuthentication):

@@ -27,7 +27,7 @@ from django.db import connection
 from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
 from django.db.models.expressions import RawSQL
 
-from governance.atdp import CLASSIFICATION_ORDER
+from governance.capture.atdp import CLASSIFICATION_ORDER
 from governance.models import (
     Consent,
     Dataset,

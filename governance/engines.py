@@ -1,4 +1,4 @@
-"""The operator's engines as the web and worker processes see them (proxy/engines.py has the
+"""The operator's engines as the web and worker processes see them (wire/engines.py has the
 rules and the settings' format): Django settings first, the environment behind them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from django.conf import settings
 
 from governance.services import ServiceError
-from proxy.engines import Engine, EngineError, Engines, validate_http_url
+from wire.engines import Engine, EngineError, Engines, validate_http_url
 
 __all__ = ["Engine", "EngineError", "checked_url", "engines", "validate_http_url"]
 

@@ -83,8 +83,8 @@ from django.utils import timezone
 
 from governance import jobs
 from governance.audit import record_event
-from governance.crypto import subject_hash
 from governance.datasets import version_content_hash
+from governance.keyring import subject_hash
 from governance.models import (
     AuditEvent,
     DatasetVersion,
@@ -123,7 +123,7 @@ SCAN_MAX_WORDS = 6
 SCAN_ENTITY = "ERASURE_SCAN"
 _EDGE_PUNCT = ".,;:!?()[]{}<>\"'`*"
 # Identifier types of the subject index (governance.recognizers.IDENTIFIER_TYPES) under whose
-# normalisation a looked-up subject is hashed; the header hash (crypto.subject_hash of the
+# normalisation a looked-up subject is hashed; the header hash (keyring.subject_hash of the
 # subject as given) is always included.
 _PHONE_LIKE = re.compile(r"^[\d\s().+\-/x]+$|^[\d\s().+\-/]+(?:ext\.?|extension)\s*\d+$", re.I)
 
@@ -320,7 +320,7 @@ def _suppress(req: ErasureRequest) -> None:
 
 def _local_sizes(spool_dir: Path) -> dict[str, int]:
     """Each segment of a spool directory on this host -> its size now (what must ship)."""
-    from proxy.spool import segments
+    from wire.spool import segments
 
     out: dict[str, int] = {}
     for path in segments(spool_dir) if spool_dir.is_dir() else []:
@@ -334,7 +334,7 @@ def _local_sizes(spool_dir: Path) -> dict[str, int]:
 def _local_pending(spool_dir: Path, sizes: dict[str, int]) -> int:
     """Segments of the snapshot not yet shipped up to their size then (a segment renamed from
     .open to .log keeps its offset file's stem; a deleted one is fully shipped)."""
-    from proxy.spool import read_offset
+    from wire.spool import read_offset
 
     pending = 0
     for name, size in sizes.items():
@@ -419,7 +419,7 @@ def _strings(value: Any, out: list[str]) -> None:
 def _body_texts(data: bytes) -> list[str]:
     """The text of a body as bytes, and, when it is JSON (or a stream of JSON events), every
     string in it unescaped (a name written with \\u escapes is found too)."""
-    from governance.capture import iter_sse
+    from wire.sse import iter_sse
 
     out = [data.decode("utf-8", errors="replace")]
     try:
@@ -435,7 +435,7 @@ def _body_texts(data: bytes) -> list[str]:
 
 def raw_texts(raw: dict[str, Any]) -> list[str]:
     """Every text of a raw exchange (or a spool record): path, header values, bodies, error."""
-    from governance.rawstore import decode_body
+    from governance.capture.rawstore import decode_body
 
     texts: list[str] = []
     for key in ("path", "session_id", "subject"):
@@ -486,7 +486,7 @@ def find_subject(texts: list[str], wanted: set[str], hasher: Any, sanitizer: Any
 
 
 def _never_indexed(tenant_id: int, after: int) -> list[Interaction]:
-    from governance.capture import UNSCANNED_KEY
+    from governance.capture.steps import UNSCANNED_KEY
 
     return list(
         Interaction.objects.for_tenant(tenant_id).select_related("data_key")
@@ -500,8 +500,8 @@ def _never_indexed(tenant_id: int, after: int) -> list[Interaction]:
 def _scan(req: ErasureRequest) -> int:
     """Scan never-indexed payloads newer than the last scanned (see the module docstring).
     Returns how many matched. Decryption and the search run outside any transaction."""
-    from governance.crypto import subject_hasher
-    from governance.rawstore import RawPayloadUnavailable, open_dead_letter, open_raw
+    from governance.capture.rawstore import RawPayloadUnavailable, open_dead_letter, open_raw
+    from governance.keyring import subject_hasher
     from governance.sanitizing import sanitizer_for_tenant
 
     tenant_id = req.tenant_id

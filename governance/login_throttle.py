@@ -66,7 +66,8 @@ def client_ip(request: Any) -> str | None:
 
 
 def username_digest(username: str) -> str:
-    from governance.crypto import derive_key, master_key
+    from governance.keyring import master_key
+    from wire.crypto import derive_key
 
     key = derive_key(master_key(), "login-username")
     return hmac.new(key, username.casefold().encode(), hashlib.sha256).hexdigest()

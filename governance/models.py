@@ -230,7 +230,7 @@ class Interaction(models.Model):
 
 class Step(models.Model):
     """One ATDP v1 step (one LLM call). Content fields hold the OpenAI message objects; served
-    as the ATDP document by governance/atdp.py. Never updated after it is built."""
+    as the ATDP document by governance/capture/atdp.py. Never updated after it is built."""
 
     id = models.UUIDField(primary_key=True)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="steps")
@@ -309,7 +309,7 @@ class Finding(models.Model):
 class SubjectIndex(models.Model):
     """Which trajectories are about a data subject, for erasure: one row per identifier the
     sanitizer found in a step (email, phone, name, IBAN, ...: `hash` =
-    crypto.subject_hash(tenant, normalize_identifier(type, value))) and one per interaction
+    keyring.subject_hash(tenant, normalize_identifier(type, value))) and one per interaction
     that named a subject in X-Steward-Subject (`entity_type` SUBJECT_HEADER, `hash` = the
     interaction's subject_hash; `step` null when the interaction was quarantined). Keyed
     hashes only: the index cannot be read back into identifiers."""
@@ -427,7 +427,7 @@ class AuditCheckpoint(models.Model):
 
 
 # Data classifications from least to most restrictive (a step's `classification`); an unknown
-# label counts as the most restrictive (governance/atdp.py ranks them the same way).
+# label counts as the most restrictive (governance/capture/atdp.py ranks them the same way).
 class Classification(models.TextChoices):
     PUBLIC = "public", "Public"
     INTERNAL = "internal", "Internal"
@@ -577,7 +577,7 @@ class RetentionPolicy(models.Model):
 
 class ErasureRequest(models.Model):
     """A GDPR Art. 17 erasure of one data subject in one tenant (governance/erasure.py). The
-    subject is stored only as keyed hashes: `subject_hash` (crypto.subject_hash of the subject
+    subject is stored only as keyed hashes: `subject_hash` (keyring.subject_hash of the subject
     as given) and `lookup_hashes` (the same under each identifier type's normalisation — what
     the subject index and the suppression list hold). The job is chunked and resumable: `stage`
     and `progress` are saved with every batch."""
@@ -636,7 +636,7 @@ class SuppressedSubject(models.Model):
 
 class DeadLetter(models.Model):
     """A spool record of this tenant the shipper could not store as an Interaction even after
-    making its text storable (proxy/shipper.py): the database refused it, or its step id is
+    making its text storable (capture/shipper.py): the database refused it, or its step id is
     another flow's. Kept so nothing accepted is lost, and so shipping goes on past it. The
     record is sealed like a raw payload, under its subject's (or the tenant's) data key with
     the tenant and flow id as associated data; erasure deletes a subject's dead letters and
@@ -667,7 +667,7 @@ class DeadLetter(models.Model):
 
 
 class SpoolState(models.Model):
-    """What one shipper last saw in the spool directory it ships (proxy/shipper.py writes it
+    """What one shipper last saw in the spool directory it ships (capture/shipper.py writes it
     every round): the segments not yet fully shipped. Erasure (governance/erasure.py) reads
     every row to wait for, or name, each spool still holding unshipped data. Not tenant data:
     segment names and counts only."""

@@ -37,8 +37,8 @@ from django.db.models import Count, Exists, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from governance.atdp import CLASSIFICATION_ORDER
 from governance.audit import record_event
+from governance.capture.atdp import CLASSIFICATION_ORDER
 from governance.models import (
     DeadLetter,
     Interaction,
@@ -193,7 +193,7 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
         if orphan_ids:
             counts["interactions"] += Interaction.objects.filter(pk__in=orphan_ids).delete()[0]
 
-        # Dead letters (records the shipper could not store, proxy/shipper.py): their sealed
+        # Dead letters (records the shipper could not store, capture/shipper.py): their sealed
         # record goes when a raw payload would, the row with the unlabelled interactions.
         dead_raw = list(DeadLetter.objects.for_tenant(tenant_id)
                         .filter(record_ciphertext__isnull=False)

@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from governance.capture import Exchange
+from governance.capture.steps import Exchange
 from governance.sanitizer import (
     SANITIZER_VERSION,
     PlaceholderState,

@@ -9,7 +9,7 @@ from typing import Literal
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from governance.atdp import capture_status, with_capture_status
+from governance.capture.atdp import capture_status, with_capture_status
 from governance.models import (
     Approval,
     AuditEvent,
@@ -38,7 +38,7 @@ class TrajectorySummarySerializer(serializers.ModelSerializer):
         return {"id": obj.agent_id, "name": obj.agent.name}
 
     def get_status(self, obj: Trajectory) -> Literal["processing", "quarantined", "complete"]:
-        # Annotated by the viewset (governance.atdp.with_capture_status).
+        # Annotated by the viewset (governance.capture.atdp.with_capture_status).
         return capture_status(obj.pending_calls, obj.quarantined_calls)
 
 

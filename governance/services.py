@@ -20,7 +20,6 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from governance.audit import record_event
-from governance.crypto import new_token, token_hash
 from governance.datasets import (
     SAMPLE_SIZE,
     eligible_trajectories,
@@ -43,6 +42,7 @@ from governance.models import (
 )
 from governance.permissions import member_can
 from governance.tenancy import tenant_atomic, tenant_context
+from wire.crypto import new_token, token_hash
 
 PROXY_KEY_PREFIX = "stw_"
 API_TOKEN_PREFIX = "stwt_"
@@ -568,8 +568,8 @@ def read_raw_payload(actor: Any, step: Any, reason: str) -> RawPayload:
     audited (`raw.read`) in the same transaction; the audit payload holds the reason's SHA-256
     and length only (the chain is pseudonymous). After the raw retention (ciphertext
     destroyed) or erasure (data key destroyed) it is gone: ServiceGone."""
+    from governance.capture.rawstore import RawPayloadUnavailable, open_raw
     from governance.models import Interaction
-    from governance.rawstore import RawPayloadUnavailable, open_raw
 
     reason = (reason or "").strip()
     if not reason:

@@ -51,9 +51,10 @@ from django.db import DatabaseError, InterfaceError, OperationalError, transacti
 from django.utils import timezone
 
 from governance.audit import record_event
-from governance.capture import CaptureError, Exchange, fields_from_exchange, parse_exchange
-from governance.crypto import subject_hash
+from governance.capture.rawstore import RawPayloadUnavailable, decode_body, open_raw
+from governance.capture.steps import CaptureError, Exchange, fields_from_exchange, parse_exchange
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
+from governance.keyring import subject_hash
 from governance.models import (
     Consent,
     Finding,
@@ -63,7 +64,6 @@ from governance.models import (
     Tenant,
     Trajectory,
 )
-from governance.rawstore import RawPayloadUnavailable, decode_body, open_raw
 from governance.sanitizer import SANITIZER_VERSION, PlaceholderState
 from governance.sanitizing import (
     Sanitized,

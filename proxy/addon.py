@@ -15,7 +15,7 @@ table is refreshed by a thread, the spool is written by a thread):
   All refusals are OpenAI error JSON and nothing is forwarded.
 - The agent's key is replaced by `Bearer $STEWARD_UPSTREAM_API_KEY` (removed when unset), and
   `X-Steward-*` headers are stripped before forwarding. A canary route sends its sessions only
-  to an engine the operator listed (proxy/engines.py), with that engine's own credential; a
+  to an engine the operator listed (wire/engines.py), with that engine's own credential; a
   route naming any other URL is not followed (its sessions stay on the control upstream).
 - Captured (spooled) are only `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`;
   `GET /v1/models` and allow-listed paths pass through uncaptured. On captured paths
@@ -31,7 +31,7 @@ table is refreshed by a thread, the spool is written by a thread):
   for STEWARD_STREAM_IDLE_TIMEOUT between chunks is closed (error kind stream_idle_timeout).
   The record keeps at most STEWARD_MAX_CAPTURE_BYTES of a response (`response_truncated`
   says how much came); the agent always gets all of it.
-- When the exchange ends (`response` or `error`), one spool record (contract in proxy/spool.py's
+- When the exchange ends (`response` or `error`), one spool record (contract in wire/spool.py's
   reader and the shipper) is built and the inference index learns the exchange. That work
   runs in a `call_soon` callback, i.e. after mitmproxy has written the response to the agent;
   records reach the spool writer thread in bursts every 20 ms (one wake-up and fsync per burst).
@@ -67,18 +67,13 @@ if _ROOT not in sys.path:
 import orjson  # noqa: E402
 from mitmproxy import ctx, http  # noqa: E402
 
-from governance.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
 from proxy import dispatch, errors  # noqa: E402
-from proxy.engines import Engine, Engines  # noqa: E402
-from proxy.ids import new_id  # noqa: E402
 from proxy.inference import (  # noqa: E402
     NEW,
     Decision,
     TrajectoryIndex,
-    chat_answer,
     decide,
     prefix_hashes,
-    response_id,
 )
 from proxy.keys import KeyInfo, KeyTable  # noqa: E402
 from proxy.paths import PathPolicy  # noqa: E402
@@ -88,9 +83,13 @@ from proxy.routing import (  # noqa: E402
     Plan,
     RoutingTable,
     apply_plan,
-    upstream_parts,
 )
 from proxy.spool import SpoolWriter  # noqa: E402
+from wire.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
+from wire.engines import Engine, Engines  # noqa: E402
+from wire.ids import new_id  # noqa: E402
+from wire.openai import chat_answer, response_id  # noqa: E402
+from wire.rewrite import upstream_parts  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
 
@@ -127,7 +126,7 @@ class Settings:
         self.database_url: str = values["database_url"]
         self.master_key_env: str = values["master_key_env"]
         self.master_key_file: str = values["master_key_file"]
-        # The operator's candidate engines (proxy/engines.py): a canary route is followed only
+        # The operator's candidate engines (wire/engines.py): a canary route is followed only
         # to one of them, with that engine's own credential.
         self.engines: Engines = values.get("engines") or Engines(lambda _name: None)
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import orjson
 
-from governance.capture import message_text  # Django-free
-from proxy.ids import new_id, session_trajectory_id
+from wire.ids import new_id, session_trajectory_id
+from wire.openai import message_text
 
 SESSION, PREFIX, PREVIOUS_RESPONSE, NEW = "session", "prefix", "previous_response", "new"
 
@@ -168,91 +168,3 @@ def decide(index: TrajectoryIndex, scope: Scope, endpoint: str, body: Any,
                 if found:
                     return Decision(found, PREVIOUS_RESPONSE)
     return Decision(new_id(), NEW)
-
-
-# -- reading the answer out of a response ------------------------------------------------
-def sse_payloads(body: bytes) -> list[Any]:
-    """The JSON payloads of an SSE body's `data:` lines (skips `[DONE]` and junk).
-
-    This runs on the proxy's event loop once per streamed answer (trajectory inference), and a
-    real stream has one event per token: the payloads are parsed as one JSON array, one C call
-    instead of one per event (~25% less time on 200 events). A payload that is not JSON makes
-    that parse fail or yield a different count, and then each is parsed on its own. (Invalid
-    payloads crafted to pair up into valid JSON could still fool the count; inference is best
-    effort, and such a stream is one the agent's own client could not read either.)"""
-    payloads = [data for line in body.splitlines() if line.startswith(b"data:")
-                if (data := line[5:].strip()) and data != b"[DONE]"]
-    if not payloads:
-        return []
-    try:
-        docs = orjson.loads(b"[" + b",".join(payloads) + b"]")
-        if len(docs) == len(payloads):
-            return docs
-    except orjson.JSONDecodeError:
-        pass
-    docs = []
-    for data in payloads:
-        try:
-            docs.append(orjson.loads(data))
-        except orjson.JSONDecodeError:
-            continue
-    return docs
-
-
-def chat_answer(body: bytes, is_stream: bool) -> dict | None:
-    """The assistant message of choice 0 of a chat completion (JSON or SSE), or None."""
-    try:
-        if not is_stream:
-            doc = orjson.loads(body)
-            choice = (doc.get("choices") or [None])[0]
-            message = choice.get("message") if isinstance(choice, dict) else None
-            return message if isinstance(message, dict) else None
-    except (orjson.JSONDecodeError, AttributeError):
-        return None
-    text: list[str] = []
-    calls: dict[int, dict] = {}
-    seen = False
-    for chunk in sse_payloads(body):
-        if not isinstance(chunk, dict):
-            continue
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            seen = True
-            if isinstance(delta.get("content"), str):
-                text.append(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                slot = calls.setdefault(call.get("index", 0),
-                                        {"id": "", "type": "function",
-                                         "function": {"name": "", "arguments": ""}})
-                if call.get("id"):
-                    slot["id"] = call["id"]
-                fn = call.get("function") or {}
-                if fn.get("name"):
-                    slot["function"]["name"] += fn["name"]
-                if fn.get("arguments"):
-                    slot["function"]["arguments"] += fn["arguments"]
-    if not seen:
-        return None
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
-    if calls:
-        message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return message
-
-
-def response_id(body: bytes, is_stream: bool) -> str | None:
-    """The id of a Responses API response (JSON, or the `response.completed`/`created` event)."""
-    try:
-        if not is_stream:
-            doc = orjson.loads(body)
-            rid = doc.get("id") if isinstance(doc, dict) else None
-            return rid if isinstance(rid, str) else None
-    except orjson.JSONDecodeError:
-        return None
-    for event in sse_payloads(body):
-        if isinstance(event, dict) and isinstance(event.get("response"), dict):
-            rid = event["response"].get("id")
-            if isinstance(rid, str):
-                return rid
-    return None

@@ -22,7 +22,7 @@ a proxy restarted during an outage still routes as before (docs/decisions.md, de
 
 Assignment. Only NEW sessions are assigned: a trajectory id this process has not seen before
 whose trajectory is new (a new uuid4, or an `X-Steward-Session` seen for the first time — its
-trajectory id is uuid5 of tenant, agent and session, proxy/ids.py). An inferred continuation
+trajectory id is uuid5 of tenant, agent and session, wire/ids.py). An inferred continuation
 (prefix / previous_response_id) that is unknown here belongs to a trajectory that began before
 anything was recorded and is never assigned mid-way. A new session goes to the candidate iff
 HMAC-SHA256(key, "<route id>:<trajectory id>"), read as a number in [0, 1), is below the
@@ -62,12 +62,11 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 
-from proxy.engines import EngineError, validate_http_url
 from proxy.keys import PolledConnection, write_snapshot_file
+from wire.rewrite import apply_context_update
 
 log = logging.getLogger("steward.routing")
 
@@ -84,7 +83,7 @@ FROM steward_proxy_context_updates()
 ASSIGNMENTS_SQL = "SELECT route_id, trajectory_id, arm FROM steward_proxy_route_assignments(%s)"
 
 CONTROL, CANDIDATE = "control", "candidate"
-# The HKDF purpose (governance.crypto.derive_key) of the key that assigns sessions.
+# The HKDF purpose (wire.crypto.derive_key) of the key that assigns sessions.
 ASSIGNMENT_KEY_PURPOSE = "canary-assignment"
 NEW_SOURCES = ("new", "session")  # trajectory sources that may start a session (inference.py)
 
@@ -192,93 +191,18 @@ def takes_candidate(key: bytes, route_id: int, trajectory_id: str, share: float)
     return assignment_point(key, route_id, trajectory_id) < share
 
 
-# --- applying context updates to a request body -------------------------------------------
-
-
-def _append_text(content: Any, snippet: str) -> Any:
-    if isinstance(content, str):
-        return f"{content}\n\n{snippet}" if content else snippet
-    if isinstance(content, list):
-        return [*content, {"type": "text", "text": snippet}]
-    return snippet
-
-
-def apply_system_prompt(endpoint: str, body: dict, snippet: str) -> bool:
-    """Append the snippet to the (first) system message, or insert one when there is none.
-    Chat: `messages`; Responses: `instructions`. Legacy completions have no system prompt."""
-    if endpoint == "chat.completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return False
-        for i, message in enumerate(messages):
-            if isinstance(message, dict) and message.get("role") == "system":
-                messages[i] = {**message,
-                               "content": _append_text(message.get("content"), snippet)}
-                return True
-        body["messages"] = [{"role": "system", "content": snippet}, *messages]
-        return True
-    if endpoint == "responses":
-        instructions = body.get("instructions")
-        body["instructions"] = _append_text(instructions, snippet) \
-            if isinstance(instructions, str) else snippet
-        return True
-    return False
-
-
-def apply_tool_schema(endpoint: str, body: dict, tools: dict[str, dict]) -> bool:
-    """Replace the definition (description/parameters/strict) of every function tool named in
-    `tools` that the request carries; tools are never added. True when one was rewritten."""
-    listed = body.get("tools")
-    if endpoint not in ("chat.completions", "responses") or not isinstance(listed, list):
-        return False
-    changed = False
-    out = []
-    for tool in listed:
-        if isinstance(tool, dict) and tool.get("type", "function") == "function":
-            fn = tool.get("function")
-            if isinstance(fn, dict) and fn.get("name") in tools:  # chat shape
-                tool = {**tool, "function": {**fn, **tools[fn["name"]], "name": fn["name"]}}
-                changed = True
-            elif "function" not in tool and tool.get("name") in tools:  # Responses shape
-                tool = {**tool, **tools[tool["name"]], "name": tool["name"]}
-                changed = True
-        out.append(tool)
-    if changed:
-        body["tools"] = out
-    return changed
+# --- rewriting a request body (wire/rewrite.py) -------------------------------------------
 
 
 def apply_plan(endpoint: str, body: Any, plan: Plan) -> list[Update]:
-    """Rewrite the parsed request body in place for the plan (model, context updates). Returns
-    the updates that changed it (recorded in the step's versions)."""
+    """Rewrite the parsed request body in place for the plan (model, context updates;
+    wire/rewrite.py). Returns the updates that changed it (recorded in the step's versions)."""
     if not isinstance(body, dict):
         return []
     if plan.model and "model" in body:
         body["model"] = plan.model
-    applied = []
-    for update in plan.updates:
-        content = update.content
-        if update.kind == "system_prompt" and isinstance(content.get("snippet"), str):
-            done = apply_system_prompt(endpoint, body, content["snippet"])
-        elif update.kind == "tool_schema" and isinstance(content.get("tools"), dict):
-            done = apply_tool_schema(endpoint, body, content["tools"])
-        else:
-            done = False
-        if done:
-            applied.append(update)
-    return applied
-
-
-def upstream_parts(url: str) -> tuple[str, str, int, str] | None:
-    """(scheme, host, port, path prefix) of a candidate upstream URL; None for one the URL
-    check (proxy/engines.py) refuses."""
-    try:
-        parts = urlsplit(validate_http_url(url))
-    except EngineError:
-        return None
-    scheme = parts.scheme.lower()
-    port = parts.port or (443 if scheme == "https" else 80)
-    return scheme, parts.hostname or "", port, parts.path.rstrip("/")
+    return [update for update in plan.updates
+            if apply_context_update(endpoint, body, update.kind, update.content)]
 
 
 # --- the table ----------------------------------------------------------------------------

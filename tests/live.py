@@ -90,8 +90,8 @@ def master_key() -> bytes:
 
 
 def read_spool(spool_dir: Path, key: bytes | None = None) -> list[dict[str, Any]]:
-    """Every decodable record in a spool directory, in write order (proxy.spool.read_batches)."""
-    from proxy.spool import read_batches
+    """Every decodable record in a spool directory, in write order (wire.spool.read_batches)."""
+    from wire.spool import read_batches
 
     records: list[dict[str, Any]] = []
     if not Path(spool_dir).exists():

@@ -1,5 +1,5 @@
 """Helpers for tests of the capture pipeline: spool records as the proxy writes them (the
-contract in proxy/spool.py's callers), shipping them with the real shipper and building steps
+contract in wire/spool.py's readers), shipping them with the real shipper and building steps
 with the real task, in-process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from governance.crypto import master_key
+from governance.keyring import master_key
 from proxy.spool import SpoolWriter
 
 
@@ -86,8 +86,8 @@ def write_records(spool_dir: Path, records: list[dict]) -> None:
 
 def ship_and_build(spool_dir: Path, records: list[dict]) -> dict:
     """Write, ship (no broker) and build the steps in-process; returns the shipper counts."""
+    from governance.capture.shipper import ship_once
     from governance.tasks import build_steps
-    from proxy.shipper import ship_once
 
     write_records(spool_dir, records)
     collected: list[int] = []

@@ -255,10 +255,10 @@ def test_a_trajectory_whose_steps_are_not_built_yet_says_processing(
     """Issue 13.3: shipped, no step built yet (the worker is warming up or behind): REST list,
     the ATDP document and both console pages say "processing"; once built, "complete"; a call
     that cannot become a step, "quarantined"."""
+    from governance.capture.shipper import ship_once
     from governance.models import Interaction
     from governance.services import ensure_agent
     from governance.tasks import build_steps
-    from proxy.shipper import ship_once
     from tests.pipeline import write_records
 
     agent = ensure_agent("system:test", tenant, "support-bot")

@@ -11,7 +11,7 @@ import uuid
 import pytest
 from jsonschema import Draft202012Validator, FormatChecker
 
-from governance.atdp import SCHEMA_PATH, trajectory_document
+from governance.capture.atdp import SCHEMA_PATH, trajectory_document
 from governance.models import Trajectory
 from governance.sanitizer import SANITIZER_VERSION
 from governance.services import record_reward

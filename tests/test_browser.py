@@ -24,8 +24,8 @@ def capture_through_proxy_once(steward_proxy, proxy_key, text: str, **headers: s
 
 def ship_and_build(steward_proxy, count: int) -> None:
     """Ship the spool and build the steps the way the shipper and the Celery task do."""
+    from governance.capture.shipper import ship_once
     from governance.tasks import build_steps
-    from proxy.shipper import ship_once
     from tests.live import master_key
 
     steward_proxy.wait_for_records(count)

@@ -1,4 +1,5 @@
-"""governance/capture.py: exact request/response bytes -> ATDP step fields (pure functions)."""
+"""governance/capture/steps.py: exact request/response bytes -> ATDP step fields (pure
+functions)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 
 import pytest
 
-from governance.capture import CaptureError, build_step_fields, canonical_json, iter_sse
+from governance.capture.steps import CaptureError, build_step_fields, canonical_json
+from wire.sse import iter_sse
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]

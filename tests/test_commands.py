@@ -21,7 +21,6 @@ from django.db import connection
 from django.test import RequestFactory
 
 from governance.auth import ApiTokenAuthentication
-from governance.crypto import token_hash
 from governance.models import (
     Agent,
     ApiToken,
@@ -30,6 +29,7 @@ from governance.models import (
     ProxyKey,
     Tenant,
 )
+from wire.crypto import token_hash
 
 REPO = Path(__file__).resolve().parent.parent
 

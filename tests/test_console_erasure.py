@@ -8,8 +8,8 @@ import json
 import pytest
 
 from governance import services as gov
-from governance.crypto import subject_hash
 from governance.erasure import erase_subject, request_erasure
+from governance.keyring import subject_hash
 from governance.models import AuditEvent, ErasureRequest, Trajectory
 from governance.views.erasure import pending_erasures_count
 from tests.govdata import make_trajectory

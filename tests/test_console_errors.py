@@ -44,8 +44,8 @@ def test_500_page_has_the_layout_without_touching_the_database(db, django_assert
 def test_an_erased_trajectory_answers_404_with_the_request_that_erased_it(
         client, make_member, tenant, settings, tmp_path):
     from governance import services as gov
-    from governance.crypto import subject_hash
     from governance.erasure import erase_subject, request_erasure
+    from governance.keyring import subject_hash
     from governance.models import ErasureRequest
     from tests.govdata import make_trajectory
 

@@ -9,8 +9,8 @@ import pytest
 from django.conf import settings
 
 from governance import services
-from governance.crypto import token_hash
 from governance.models import ApiToken, AuditEvent, ProxyKey
+from wire.crypto import token_hash
 
 PROXY_SECRET = re.compile(r"stw_[A-Za-z0-9_\-]{20,}")
 TOKEN_SECRET = re.compile(r"stwt_[A-Za-z0-9_\-]{20,}")

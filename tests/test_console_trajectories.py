@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from governance.crypto import subject_hash
+from governance.keyring import subject_hash
 from governance.models import (
     Approval,
     AuditEvent,

@@ -1,5 +1,5 @@
 """The operator's engines (issue 12, items 2 and 3): every URL a person gives the control plane
-or a training job names an engine the operator listed (proxy/engines.py), each engine gets
+or a training job names an engine the operator listed (wire/engines.py), each engine gets
 only its own credential, a rollout engine never serves agents, and one URL check refuses
 file:// and every other non-http(s) scheme. The live-proxy half (a canary route is followed
 only to a listed engine, with its credential) is in tests/test_routing.py."""
@@ -14,9 +14,9 @@ from evolution.models import Candidate, EvolutionPolicy, PolicyRoute
 from evolution.tasks import run_gates
 from governance import services as gov
 from governance.services import ServiceError
-from proxy.engines import EngineError, Engines, validate_http_url
 from tests.live import serve_app
 from tests.test_evolution import FakeModels, tiny_checkpoint, var_dir  # noqa: F401 - fixture
+from wire.engines import EngineError, Engines, validate_http_url
 
 HOSTILE_URLS = ["file:///etc/passwd", "gopher://127.0.0.1:6379/_FLUSHALL", "ftp://x/y",
                 "javascript:alert(1)", "http:///no-host", "http://user:pw@engine:30000",

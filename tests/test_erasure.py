@@ -17,7 +17,6 @@ from django.db import OperationalError, connection
 from django.utils import timezone
 
 from governance import services as gov
-from governance.crypto import subject_hash
 from governance.erasure import (
     SUPPRESSED_REASON,
     erase_subject,
@@ -25,6 +24,7 @@ from governance.erasure import (
     post_condition,
     request_erasure,
 )
+from governance.keyring import subject_hash
 from governance.models import (
     AuditEvent,
     DataKey,
@@ -353,8 +353,8 @@ def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_mem
                                               settings, tmp_path):
     import openai
 
+    from governance.capture.shipper import ship_once
     from governance.tasks import build_steps
-    from proxy.shipper import ship_once
     from tests.live import master_key as spool_master_key
 
     tenant = proxy_key.tenant
@@ -385,7 +385,7 @@ def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_mem
     assert Step.objects.filter(trajectory_id__in=jane | {keep}).count() == 3
     assert SubjectIndex.objects.filter(trajectory_id__in=jane).exists()
     # Control: before erasure the subject's email is recoverable (raw payloads decrypt).
-    from governance.rawstore import open_raw
+    from governance.capture.rawstore import open_raw
 
     raws = [open_raw(ia) for ia in Interaction.objects.select_related("data_key")
             .filter(trajectory_id__in=jane)]

@@ -11,7 +11,8 @@ import pytest
 from django.utils import timezone
 
 from governance import services as gov
-from governance.capture import UNSCANNED_KEY
+from governance.capture.shipper import Shipper
+from governance.capture.steps import UNSCANNED_KEY
 from governance.erasure import erase_subject, lookup_hashes, request_erasure
 from governance.models import (
     DeadLetter,
@@ -24,7 +25,6 @@ from governance.models import (
 )
 from governance.sanitizer import load_nlp
 from governance.sanitizing import LongTextNlp, chunk_bounds, clear_cache
-from proxy.shipper import Shipper
 from tests.pipeline import chat_response, make_record, ship_and_build, write_records
 
 EMAIL = "jane.roe@example.com"

@@ -511,8 +511,8 @@ def test_spool_files_are_private(steward_proxy, proxy_key):
 def test_the_step_metadata_says_the_capture_was_truncated():
     """The record's `response_truncated` reaches the step (raw payload -> parse_exchange ->
     metadata), and a JSON answer cut at the cap is no answer rather than a capture error."""
-    from governance.capture import fields_from_exchange, parse_exchange
-    from governance.rawstore import RAW_FIELDS
+    from governance.capture.rawstore import RAW_FIELDS
+    from governance.capture.steps import fields_from_exchange, parse_exchange
 
     assert "response_truncated" in RAW_FIELDS
     full = orjson.dumps({"id": "c1", "object": "chat.completion", "model": "m", "choices": [

@@ -6,7 +6,6 @@ import uuid
 
 import orjson
 
-from proxy.ids import STEWARD_NAMESPACE, new_id, session_trajectory_id
 from proxy.inference import (
     NEW,
     PREFIX,
@@ -14,13 +13,12 @@ from proxy.inference import (
     SESSION,
     TrajectoryIndex,
     canonical_message,
-    chat_answer,
     decide,
-    message_text,
     prefix_hashes,
-    response_id,
-    sse_payloads,
 )
+from wire.ids import STEWARD_NAMESPACE, new_id, session_trajectory_id
+from wire.openai import chat_answer, message_text, response_id
+from wire.sse import data_payloads
 
 SCOPE = (1, 2)
 SYSTEM = {"role": "system", "content": "You are helpful."}
@@ -182,7 +180,7 @@ def test_stream_with_payloads_that_are_not_json_keeps_the_others():
                   b"data: " + orjson.dumps(good[1]) + b"\n\n: a comment\n\n"
                   b"data: " + orjson.dumps(good[2]) + b"\n\ndata: [DONE]\n\n")
         assert chat_answer(stream, True)["content"] == "abc", junk
-        assert [d for d in sse_payloads(stream) if isinstance(d, dict)][:1] == good[:1]
+        assert [d for d in data_payloads(stream) if isinstance(d, dict)][:1] == good[:1]
 
 
 def test_streamed_answer_matches_what_the_agent_sends_back():

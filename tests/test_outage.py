@@ -19,8 +19,8 @@ import pytest
 from django.db import connection
 
 from governance.models import Interaction, Trajectory
-from proxy.spool import read_offset, segments
 from tests.relay import TcpRelay
+from wire.spool import read_offset, segments
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTAGE_SECONDS = float(os.environ.get("STEWARD_OUTAGE_SECONDS", "60"))

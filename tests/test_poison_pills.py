@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from governance.crypto import subject_hash
+from governance.capture.rawstore import decode_body, open_dead_letter, open_raw
+from governance.capture.shipper import Shipper, ship_once, storable_text
+from governance.keyring import subject_hash
 from governance.models import DeadLetter, Interaction, Step, Trajectory
-from governance.rawstore import decode_body, open_dead_letter, open_raw
 from governance.tasks import build_steps
-from proxy.shipper import Shipper, ship_once, storable_text
-from proxy.spool import segments
 from tests.pipeline import chat_response, make_record, write_records
 from tests.test_shipper import _child_env
+from wire.spool import segments
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,8 +12,8 @@ import openai
 import orjson
 import pytest
 
-from proxy.ids import session_trajectory_id
 from tests.live import UPSTREAM_API_KEY, free_port, wait_for_key, wait_for_rejection
+from wire.ids import session_trajectory_id
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -432,9 +432,9 @@ def test_flows_as_the_app_role(app_connection, tmp_path, client, api_client_for,
 
     from governance import services
     from governance.audit import verify_chain
+    from governance.capture.shipper import Shipper
     from governance.retention import purge_expired
     from governance.tasks import build_pending_steps, build_steps
-    from proxy.shipper import Shipper
     from tests.pipeline import chat_response, make_record, write_records
 
     # Services: each in its tenant's scope.

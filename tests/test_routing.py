@@ -14,7 +14,6 @@ import openai
 import orjson
 import pytest
 
-from proxy.ids import session_trajectory_id
 from proxy.routing import (
     ASSIGNMENT_KEY_PURPOSE,
     CANDIDATE,
@@ -28,6 +27,7 @@ from proxy.routing import (
     takes_candidate,
 )
 from tests.live import wait_for_key
+from wire.ids import session_trajectory_id
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -382,7 +382,7 @@ def test_share_and_stickiness_end_to_end(world, start_proxy, fake_upstream, cand
     # master key) decides: exactly the sessions it puts below the share are on the candidate.
     import os
 
-    from governance.crypto import derive_key, load_master_key
+    from wire.crypto import derive_key, load_master_key
 
     key = derive_key(load_master_key(os.environ["STEWARD_MASTER_KEY"]),
                      ASSIGNMENT_KEY_PURPOSE)

@@ -34,8 +34,8 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from governance.capture import fields_from_exchange, parse_exchange
-from governance.crypto import subject_hash
+from governance.capture.steps import fields_from_exchange, parse_exchange
+from governance.keyring import subject_hash
 from governance.models import (
     AuditEvent,
     DataKey,
@@ -424,8 +424,8 @@ def test_canaries_never_reach_step_fields(plain_sanitizer, local, digits, where)
 
 @pytest.mark.timeout(300)
 def test_end_to_end_through_the_proxy(steward_proxy, proxy_key, make_member, api_client_for):
+    from governance.capture.shipper import Shipper
     from governance.tasks import build_steps
-    from proxy.shipper import Shipper
 
     tenant = proxy_key.tenant
     client = openai.OpenAI(base_url=steward_proxy.base_url, api_key=proxy_key.secret,

@@ -1,4 +1,5 @@
-"""The spool shipper (proxy/shipper.py) and the step builder (governance/tasks.py) on the real
+"""The spool shipper (governance/capture/shipper.py) and the step builder (governance/tasks.py)
+on the real
 PostgreSQL: idempotent shipping, encryption at rest, dead letters and quarantine, a database
 outage through a TCP relay, and a real Celery worker on Redis."""
 
@@ -18,15 +19,16 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from governance.crypto import master_key, subject_hash
+from governance.capture.rawstore import data_key_aad, decode_body, open_dead_letter, open_raw
+from governance.capture.shipper import DEAD_LETTER_NAME, Shipper, ship_once
+from governance.keyring import master_key, subject_hash
 from governance.models import AuditEvent, DataKey, DeadLetter, Interaction, Step, Trajectory
-from governance.rawstore import data_key_aad, decode_body, open_dead_letter, open_raw
 from governance.sanitizer import SANITIZER_VERSION
 from governance.tasks import build_pending_steps, build_steps
-from proxy.shipper import DEAD_LETTER_NAME, Shipper, ship_once
-from proxy.spool import SpoolWriter, segments
+from proxy.spool import SpoolWriter
 from tests.pipeline import chat_response, make_record, write_records
 from tests.relay import TcpRelay
+from wire.spool import segments
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Redis-broker test runs only where a Redis is named (.ci/run sets it); everything else uses
@@ -89,7 +91,7 @@ def test_ship_once_inserts_encrypts_and_enqueues(tenant, agent, tmp_path,
     # AAD binds the wrapped key to its tenant and subject: moved to another row, it won't open.
     from cryptography.exceptions import InvalidTag
 
-    from governance.crypto import unwrap_data_key
+    from governance.keyring import unwrap_data_key
     with pytest.raises(InvalidTag):
         unwrap_data_key(bytes(keys[h].wrapped_key), data_key_aad(tenant.pk, ""))
 
@@ -183,10 +185,10 @@ def test_step_id_collision_is_dead_lettered_not_lost(tenant, agent, tmp_path):
 
 
 def test_large_batches_are_inserted_in_chunks(tenant, agent, tmp_path, monkeypatch):
-    import governance.rawstore
+    import governance.capture.rawstore
 
     # A smaller chunk than production's 1000 rows exercises the multi-statement path quickly.
-    monkeypatch.setattr(governance.rawstore, "INSERT_CHUNK", 40)
+    monkeypatch.setattr(governance.capture.rawstore, "INSERT_CHUNK", 40)
     records = [make_record(tenant.pk, agent.pk, response=chat_response()) for _ in range(250)]
     records.append(records[3])  # a duplicate inside the batch
     write_records(tmp_path, records)

@@ -1,4 +1,5 @@
-"""The spool's files on disk (proxy/spool.py): private modes, offsets that survive the
+"""The spool's files on disk (proxy/spool.py writes, wire/spool.py reads): private
+modes, offsets that survive the
 segment's .open -> .log rename, stale offset files and orphaned segments cleaned, and records
 that are not serialisable kept (salvaged) instead of dropped. The real writer thread and the
 reader the shipper uses; the shipper's database side is in test_shipper.py."""
@@ -13,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from proxy.spool import (
-    SpoolWriter,
+from proxy.spool import SpoolWriter
+from wire.spool import (
     commit_offset,
     encode_line,
     finish_segment_if_done,

@@ -20,7 +20,7 @@ from django.core.management.base import CommandError
 from django.db import connection, transaction
 
 from governance import services as gov
-from governance.atdp import atdp_schema
+from governance.capture.atdp import atdp_schema
 from governance.models import AuditEvent, Step
 from governance.services import ServiceConflict, ServiceForbidden
 from tests.govdata import make_trajectory

@@ -34,7 +34,8 @@ one row per member trajectory with a logged assistant reply):
     EXTRA_INFO struct<trajectory_id: string, approval_id: int64, content_hash: string,
                index: int64, split: string = "train">   (uniform over every row)
 
-atdp-jsonl: one ATDP v1 trajectory document (governance.atdp.trajectory_document) per line, in
+atdp-jsonl: one ATDP v1 trajectory document (governance.capture.atdp.trajectory_document) per
+line, in
 trajectory id order, limited to the steps the version pinned at its freeze, with
 governance.approval filled in.
 """
@@ -46,7 +47,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from governance.atdp import trajectory_document
+from governance.capture.atdp import trajectory_document
 from governance.models import DatasetVersion, Trajectory
 from trainer.taskdata import (
     Example,

@@ -40,9 +40,9 @@ from typing import Any
 
 from django.db.models import Q
 
-from governance.capture import message_text
 from governance.datasets import pinned_rewards
 from governance.models import DatasetVersion, DatasetVersionMember, Reward, Step
+from wire.openai import message_text
 
 CHUNK = 500
 

@@ -380,7 +380,8 @@ def get_sanitizer() -> Sanitizer:
 def tenant_secret(tenant_id: int) -> bytes:
     """The tenant's HMAC secret for the hash operator and placeholder state, derived from the
     master key (so nothing extra to store, and it dies with the master key)."""
-    from governance.crypto import derive_key, master_key
+    from governance.keyring import master_key
+    from wire.crypto import derive_key
 
     return derive_key(master_key(), f"sanitizer/{tenant_id}")
 

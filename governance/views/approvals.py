@@ -19,7 +19,6 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from governance.capture import message_text
 from governance.datasets import pinned_rewards, review_sample
 from governance.models import (
     DatasetVersion,
@@ -49,6 +48,7 @@ from governance.views.datasets import (
     status_hint,
     version_history,
 )
+from wire.openai import message_text
 
 PAGE_SIZE = 25
 EXCERPT_CHARS = 240

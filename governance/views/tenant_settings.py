@@ -13,7 +13,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from governance.atdp import CLASSIFICATION_ORDER
+from governance.capture.atdp import CLASSIFICATION_ORDER
 from governance.models import RetentionPolicy, SanitizerPolicyChange, Tenant
 from governance.recognizers import IDENTIFIER_TYPES, NER_TYPES, SECRET_TYPES
 from governance.retention import default_policy, effective_policies

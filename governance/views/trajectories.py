@@ -15,7 +15,8 @@ sanitizer found in one of its steps (the subject index). Counting stops at COUNT
 count of a large filtered set costs as much as the whole search, and "more than 1,000" says
 enough.
 
-Detail (`/trajectories/<id>/`): the ATDP document (governance.atdp.trajectory_document: steps,
+Detail (`/trajectories/<id>/`): the ATDP document
+(governance.capture.atdp.trajectory_document: steps,
 tool results, rewards, governance in three queries) rendered as the conversation it was — each
 step shows only the messages its request added to the previous step's, then its answer.
 Sanitizer placeholders (`<PERSON_1>`, `<EMAIL_ADDRESS:3f2a…>`, `<US_SSN>`) are marked with their
@@ -43,7 +44,7 @@ from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
 from django.views.decorators.http import require_http_methods, require_POST
 
-from governance.atdp import trajectory_document
+from governance.capture.atdp import trajectory_document
 from governance.datasets import latest_rewards, reward_within
 from governance.erasure import erased_by, lookup_hashes
 from governance.models import (

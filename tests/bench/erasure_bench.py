@@ -153,14 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         from django.db import connection, transaction
 
         from governance import services as gov
-        from governance.crypto import subject_hash
+        from governance.capture.rawstore import data_keys_for
         from governance.erasure import erase_subject, lookup_hashes, request_erasure
+        from governance.keyring import subject_hash
         from governance.models import (
             Dataset,
             DatasetVersion,
             ErasureRequest,
         )
-        from governance.rawstore import data_keys_for
         from governance.sanitizer import normalize_identifier
         from governance.tenancy import (
             ensure_app_role,

@@ -171,7 +171,7 @@ def scenario(args: argparse.Namespace) -> dict:
         django.setup()
         from django.db import connection
 
-        from governance.crypto import master_key
+        from governance.keyring import master_key
         from governance.services import create_tenant, ensure_agent
         from proxy.spool import SpoolWriter
 

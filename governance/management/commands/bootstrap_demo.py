@@ -20,10 +20,10 @@ from django.core.management.base import BaseCommand
 from django.utils import timezone
 
 from governance import services
-from governance.crypto import token_hash
 from governance.management.commands._common import CLI_ACTOR
 from governance.models import ApiToken, Membership, ProxyKey, Role
 from governance.tenancy import tenant_context
+from wire.crypto import token_hash
 
 DEMO_TENANT = "demo"
 DEMO_ADMIN = "demo-admin"

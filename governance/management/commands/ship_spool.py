@@ -7,7 +7,7 @@ import signal
 
 from django.core.management.base import BaseCommand
 
-from proxy.shipper import Shipper
+from governance.capture.shipper import Shipper
 
 
 class Command(BaseCommand):
@@ -30,7 +30,7 @@ class Command(BaseCommand):
                             help="do not queue build_steps (beat's build_pending_steps will)")
 
     def handle(self, *args, **options) -> None:
-        from proxy.shipper import default_enqueue
+        from governance.capture.shipper import default_enqueue
 
         shipper = Shipper(options["spool_dir"],
                           enqueue=None if options["no_enqueue"] else default_enqueue)

@@ -1,7 +1,7 @@
 """The spool shipper: moves finished exchanges from the proxy's local encrypted spool into
 PostgreSQL, exactly once.
 
-For each batch of `proxy.spool.read_batches`, one transaction inserts the Interaction rows
+For each batch of `wire.spool.read_batches`, one transaction inserts the Interaction rows
 (INSERT ... ON CONFLICT DO NOTHING: `flow_id` is unique, so re-reading a segment after a crash
 inserts nothing twice), upserts their Trajectory rows, creates the missing data keys and seals
 each raw exchange under its subject's (or tenant's) data key. Only after COMMIT does the shipper
@@ -65,12 +65,7 @@ from django.db.models.functions import Greatest, Least
 from django.utils import timezone
 
 from governance.audit import record_event
-from governance.capture import ENDPOINTS
-from governance.crypto import master_key as configured_master_key
-from governance.crypto import subject_hash as keyed_subject_hash
-from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
-from governance.models import Agent, Consent, DeadLetter, Interaction, SpoolState, Trajectory
-from governance.rawstore import (
+from governance.capture.rawstore import (
     data_keys_for,
     decode_body,
     insert_ignore_conflicts,
@@ -80,8 +75,13 @@ from governance.rawstore import (
     seal_raw,
     unwrap,
 )
+from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
+from governance.keyring import master_key as configured_master_key
+from governance.keyring import subject_hash as keyed_subject_hash
+from governance.models import Agent, Consent, DeadLetter, Interaction, SpoolState, Trajectory
 from governance.tenancy import tenant_context
-from proxy.spool import (
+from wire.openai import ENDPOINTS
+from wire.spool import (
     SegmentBatch,
     commit_offset,
     decode_line,

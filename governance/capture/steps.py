@@ -3,9 +3,8 @@ step. Pure functions: no database, no network, no clock — the Celery task (gov
 decrypts the raw payload and calls `build_step_fields`, tests call it directly.
 
 Endpoints: `chat.completions`, `completions`, `responses`, each plain JSON or SSE. Streams are
-reassembled the way the OpenAI clients do it (content deltas concatenated, tool-call deltas merged
-by `index` with argument fragments concatenated), so a streamed step and a non-streamed one look
-the same.
+reassembled by wire/openai.py (the reassembler the proxy uses too), so a streamed step and a
+non-streamed one look the same.
 
 Decisions (documented in the ATDP schema too):
 - A request body that is not a JSON object still yields a step: observation
@@ -28,7 +27,19 @@ from typing import Any
 
 import orjson
 
-ENDPOINTS = ("chat.completions", "completions", "responses")
+from wire.openai import (
+    ENDPOINTS,
+    ChatChoice,
+    TokenAccumulator,
+    int_list,
+    int_or_none,
+    message_text,
+    reassemble_chat_stream,
+    reassemble_completions_stream,
+    reassemble_responses_stream,
+)
+from wire.sse import sse_json_events
+
 OPERATION_NAMES = {"chat.completions": "chat", "completions": "text_completion",
                    "responses": "chat"}
 
@@ -77,89 +88,6 @@ def _loads_any(data: bytes | None) -> Any:
         return None
 
 
-_TEXT_PART_TYPES = {"text", "input_text", "output_text"}
-
-
-def _is_text_part(kind: Any) -> bool:
-    # `kind` comes from the agent: a list or an object there must not raise (unhashable).
-    return isinstance(kind, str) and kind in _TEXT_PART_TYPES
-
-
-def message_text(content: Any) -> str:
-    """The text of an OpenAI message content: a string, or the text parts of a list joined
-    (image/audio/file parts contribute nothing). Shared by the proxy's trajectory inference,
-    the step builder and the trainer's prompt building, so all three read a message alike."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and _is_text_part(part.get("type", "text")):
-                text = part.get("text")
-                if isinstance(text, str):
-                    parts.append(text)
-        return "".join(parts)
-    return str(content)
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def iter_sse(data: bytes) -> list[tuple[str | None, str]]:
-    """Parse a `text/event-stream` body into (event name, data) pairs, per the WHATWG rules that
-    matter here: CRLF or LF line ends, several `data:` lines joined by newlines, comments
-    ignored, a trailing event without its blank line still counted (a cut-off stream)."""
-    events: list[tuple[str | None, str]] = []
-    event: str | None = None
-    data_lines: list[str] = []
-    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
-    for line in text.split("\n"):
-        if line == "":
-            if data_lines:
-                events.append((event, "\n".join(data_lines)))
-            event, data_lines = None, []
-            continue
-        if line.startswith(":"):
-            continue
-        field, _, value = line.partition(":")
-        if value.startswith(" "):
-            value = value[1:]
-        if field == "data":
-            data_lines.append(value)
-        elif field == "event":
-            event = value
-    if data_lines:
-        events.append((event, "\n".join(data_lines)))
-    return events
-
-
-def sse_json_events(data: bytes) -> tuple[list[tuple[str | None, dict]], int, bool]:
-    """JSON objects of a stream, the number of data payloads that were not JSON, and whether
-    the `[DONE]` terminator arrived."""
-    out: list[tuple[str | None, dict]] = []
-    bad = 0
-    done = False
-    for event, payload in iter_sse(data):
-        if payload.strip() == "[DONE]":
-            done = True
-            continue
-        try:
-            value = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(value, dict):
-            out.append((event, value))
-        else:
-            bad += 1
-    return out, bad, done
-
-
 # --- usage, tokens ---------------------------------------------------------------------------
 
 def otel_usage(usage: Any) -> dict:
@@ -168,126 +96,23 @@ def otel_usage(usage: Any) -> dict:
     if not isinstance(usage, dict):
         return {}
     out: dict[str, Any] = {}
-    inp = _int_or_none(usage.get("prompt_tokens", usage.get("input_tokens")))
-    outp = _int_or_none(usage.get("completion_tokens", usage.get("output_tokens")))
+    inp = int_or_none(usage.get("prompt_tokens", usage.get("input_tokens")))
+    outp = int_or_none(usage.get("completion_tokens", usage.get("output_tokens")))
     if inp is not None:
         out[INPUT_TOKENS] = inp
     if outp is not None:
         out[OUTPUT_TOKENS] = outp
-    total = _int_or_none(usage.get("total_tokens"))
+    total = int_or_none(usage.get("total_tokens"))
     if total is not None:
         out["total_tokens"] = total
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-    if isinstance(details, dict) and _int_or_none(details.get("cached_tokens")) is not None:
+    if isinstance(details, dict) and int_or_none(details.get("cached_tokens")) is not None:
         out["gen_ai.usage.cache_read.input_tokens"] = details["cached_tokens"]
     details = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
-    if isinstance(details, dict) and _int_or_none(details.get("reasoning_tokens")) is not None:
+    if isinstance(details, dict) and int_or_none(details.get("reasoning_tokens")) is not None:
         out["gen_ai.usage.reasoning.output_tokens"] = details["reasoning_tokens"]
     out["raw"] = usage
     return out
-
-
-def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
-                                       for v in value):
-        return value
-    return None
-
-
-class TokenAccumulator:
-    """Token ids and logprobs of one choice, from whichever shape the upstream uses:
-    - OpenAI `logprobs.content` entries (`token`, `logprob`, `bytes`, `top_logprobs`), some
-      servers add `token_id` per entry;
-    - vLLM `token_ids` on the choice (`prompt_token_ids` top level or on the choice);
-    - SGLang `output_token_ids` on the choice or top level, and `meta_info` with
-      `output_token_logprobs` as `[logprob, token_id, text]` triples (and `output_ids`);
-    - legacy completions `logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.ids_from_logprobs: list[int] = []
-        self.logprobs: list[Any] = []
-        self.legacy: dict[str, list] | None = None
-        self.prompt_token_ids: list[int] | None = None
-
-    def add_logprobs(self, logprobs: Any) -> None:
-        if isinstance(logprobs, dict):
-            content = logprobs.get("content")
-            if isinstance(content, list):
-                self.logprobs.extend(content)
-                for entry in content:
-                    if isinstance(entry, dict) and _int_or_none(entry.get("token_id")) is not None:
-                        self.ids_from_logprobs.append(entry["token_id"])
-            elif any(k in logprobs for k in ("tokens", "token_logprobs")):
-                legacy = self.legacy if self.legacy is not None else {}
-                for key, value in logprobs.items():
-                    if isinstance(value, list):
-                        legacy.setdefault(key, []).extend(value)
-                self.legacy = legacy
-        elif isinstance(logprobs, list):  # responses output_text.logprobs, or a bare list
-            self.logprobs.extend(logprobs)
-            for entry in logprobs:
-                if isinstance(entry, dict) and _int_or_none(entry.get("token_id")) is not None:
-                    self.ids_from_logprobs.append(entry["token_id"])
-
-    def add_ids(self, ids: Any) -> None:
-        ids = _int_list(ids)
-        if ids:
-            self.token_ids.extend(ids)
-
-    def add_meta_info(self, meta: Any) -> None:
-        if not isinstance(meta, dict):
-            return
-        triples = meta.get("output_token_logprobs")
-        if isinstance(triples, list) and triples:
-            ids = []
-            for t in triples:
-                if isinstance(t, (list, tuple)) and len(t) >= 2:
-                    self.logprobs.append({"logprob": t[0], "token_id": t[1],
-                                          "token": t[2] if len(t) > 2 else None})
-                    if _int_or_none(t[1]) is not None:
-                        ids.append(t[1])
-            if ids and not self.token_ids:
-                self.ids_from_logprobs.extend(ids)
-        self.add_ids(meta.get("output_ids") or meta.get("output_token_ids"))
-        if self.prompt_token_ids is None:
-            self.prompt_token_ids = _int_list(meta.get("input_token_ids") or meta.get("input_ids"))
-
-    def absorb_choice(self, choice: dict) -> None:
-        self.add_logprobs(choice.get("logprobs"))
-        self.add_ids(choice.get("token_ids"))
-        self.add_ids(choice.get("output_token_ids"))
-        self.add_meta_info(choice.get("meta_info"))
-        if self.prompt_token_ids is None:
-            self.prompt_token_ids = _int_list(choice.get("prompt_token_ids"))
-
-    def choice_fields(self) -> dict:
-        """What was accumulated, as the fields of one non-streamed choice (a reassembled
-        stream): absorbing them again gives the same `result()`."""
-        out: dict[str, Any] = {}
-        if self.logprobs:
-            out["logprobs"] = {"content": self.logprobs}
-        elif self.legacy:
-            out["logprobs"] = self.legacy
-        ids = self.token_ids or self.ids_from_logprobs
-        if ids:
-            out["token_ids"] = ids
-        if self.prompt_token_ids:
-            out["prompt_token_ids"] = self.prompt_token_ids
-        return out
-
-    def result(self) -> dict:
-        out: dict[str, Any] = {}
-        ids = self.token_ids or self.ids_from_logprobs
-        if ids:
-            out["token_ids"] = ids
-        if self.logprobs:
-            out["logprobs"] = self.logprobs
-        elif self.legacy:
-            out["logprobs"] = self.legacy
-        if self.prompt_token_ids:
-            out["prompt_token_ids"] = self.prompt_token_ids
-        return out
 
 
 def _merge_tokens(per_choice: list[tuple[int, dict]], top: dict) -> dict:
@@ -295,10 +120,10 @@ def _merge_tokens(per_choice: list[tuple[int, dict]], top: dict) -> dict:
     out: dict[str, Any] = {}
     first = next((t for i, t in per_choice if i == 0), per_choice[0][1] if per_choice else {})
     out.update(first)
-    prompt_ids = _int_list(top.get("prompt_token_ids")) or _int_list(top.get("input_token_ids"))
+    prompt_ids = int_list(top.get("prompt_token_ids")) or int_list(top.get("input_token_ids"))
     if prompt_ids and "prompt_token_ids" not in out:
         out["prompt_token_ids"] = prompt_ids
-    top_ids = _int_list(top.get("output_token_ids"))
+    top_ids = int_list(top.get("output_token_ids"))
     if top_ids and "token_ids" not in out:
         out["token_ids"] = top_ids
     if len(per_choice) > 1:
@@ -385,93 +210,8 @@ def routing_versions(routing: Any) -> dict:
 
 # --- chat.completions ------------------------------------------------------------------------
 
-class _ChatChoice:
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.role = "assistant"
-        self.content: str | None = None
-        self.reasoning: str | None = None
-        self.refusal: str | None = None
-        self.tool_calls: dict[int, dict] = {}
-        self.function_call: dict | None = None  # legacy functions API
-        self.finish_reason: str | None = None
-        self.tokens = TokenAccumulator()
 
-    @staticmethod
-    def _cat(old: str | None, new: Any) -> str | None:
-        if not isinstance(new, str):
-            return old
-        return (old or "") + new
-
-    def apply_delta(self, delta: dict) -> None:
-        if isinstance(delta.get("role"), str):
-            self.role = delta["role"]
-        self.content = self._cat(self.content, delta.get("content"))
-        self.reasoning = self._cat(self.reasoning, delta.get("reasoning_content"))
-        self.reasoning = self._cat(self.reasoning, delta.get("reasoning"))
-        self.refusal = self._cat(self.refusal, delta.get("refusal"))
-        for pos, tc in enumerate(delta.get("tool_calls") or []):
-            if not isinstance(tc, dict):
-                continue
-            idx = tc.get("index", pos)
-            cur = self.tool_calls.setdefault(
-                idx, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-            if tc.get("id"):
-                cur["id"] = tc["id"]
-            if tc.get("type"):
-                cur["type"] = tc["type"]
-            fn = tc.get("function") or {}
-            if isinstance(fn.get("name"), str):
-                # The name normally comes whole in the first delta; servers that repeat it in
-                # every chunk must not produce "get_weatherget_weather".
-                if not cur["function"]["name"] or not fn["name"].startswith(
-                        cur["function"]["name"]):
-                    cur["function"]["name"] += fn["name"]
-                else:
-                    cur["function"]["name"] = fn["name"]
-            if isinstance(fn.get("arguments"), str):
-                cur["function"]["arguments"] += fn["arguments"]
-        fc = delta.get("function_call")
-        if isinstance(fc, dict):
-            cur = self.function_call or {"name": "", "arguments": ""}
-            cur["name"] += fc.get("name") or ""
-            cur["arguments"] += fc.get("arguments") or ""
-            self.function_call = cur
-
-    def apply_message(self, msg: dict) -> None:
-        if isinstance(msg.get("role"), str):
-            self.role = msg["role"]
-        self.content = msg.get("content") if isinstance(msg.get("content"), str) else (
-            message_text(msg.get("content")) or None)
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        self.reasoning = reasoning if isinstance(reasoning, str) else None
-        self.refusal = msg.get("refusal") if isinstance(msg.get("refusal"), str) else None
-        for pos, tc in enumerate(msg.get("tool_calls") or []):
-            if isinstance(tc, dict):
-                self.tool_calls[pos] = {k: v for k, v in tc.items() if k != "index"}
-        if isinstance(msg.get("function_call"), dict):
-            self.function_call = msg["function_call"]
-
-    def as_choice(self) -> dict:
-        """This choice as a non-streamed `choices[]` entry (message, reasoning, tokens)."""
-        msg = self.message()
-        if self.reasoning:
-            msg["reasoning_content"] = self.reasoning
-        return {"index": self.index, "message": msg, "finish_reason": self.finish_reason,
-                **self.tokens.choice_fields()}
-
-    def message(self) -> dict:
-        msg: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            msg["tool_calls"] = [self.tool_calls[k] for k in sorted(self.tool_calls)]
-        if self.function_call:
-            msg["function_call"] = self.function_call
-        if self.refusal:
-            msg["refusal"] = self.refusal
-        return msg
-
-
-def _chat_result(choices: dict[int, _ChatChoice], top: dict) -> dict:
+def _chat_result(choices: dict[int, ChatChoice], top: dict) -> dict:
     ordered = [choices[k] for k in sorted(choices)]
     action: dict[str, Any] = {"messages": [c.message() for c in ordered],
                               "finish_reason": ordered[0].finish_reason if ordered else None}
@@ -489,11 +229,11 @@ def _chat_result(choices: dict[int, _ChatChoice], top: dict) -> dict:
 
 
 def parse_chat(body: dict) -> dict:
-    choices: dict[int, _ChatChoice] = {}
+    choices: dict[int, ChatChoice] = {}
     for pos, ch in enumerate(body.get("choices") or []):
         if not isinstance(ch, dict):
             continue
-        c = choices.setdefault(ch.get("index", pos), _ChatChoice(ch.get("index", pos)))
+        c = choices.setdefault(ch.get("index", pos), ChatChoice(ch.get("index", pos)))
         if isinstance(ch.get("message"), dict):
             c.apply_message(ch["message"])
         c.finish_reason = ch.get("finish_reason")
@@ -505,45 +245,6 @@ def parse_chat_stream(events: list[tuple[str | None, dict]]) -> tuple[dict, dict
     """(parsed result, top-level fields, error event or None)."""
     body, error = reassemble_chat_stream(events)
     return parse_chat(body), body, error
-
-
-def reassemble_chat_stream(events: list[tuple[str | None, dict]]) -> tuple[dict, dict | None]:
-    """A chat stream as the `chat.completion` object a non-streamed call would have returned
-    (content and tool-call argument fragments joined, logprobs and token ids gathered), and
-    the stream's error event or None. `parse_chat` of it is the streamed step."""
-    choices: dict[int, _ChatChoice] = {}
-    top: dict[str, Any] = {}
-    error = None
-    for _, chunk in events:
-        if "error" in chunk and not chunk.get("choices"):
-            error = chunk["error"]
-            continue
-        for key in ("id", "model", "created", "system_fingerprint"):
-            if chunk.get(key) is not None and key not in top:
-                top[key] = chunk[key]
-        if isinstance(chunk.get("usage"), dict):
-            top["usage"] = chunk["usage"]
-        for key in ("prompt_token_ids", "output_token_ids"):
-            if key in chunk:
-                if key == "prompt_token_ids":
-                    top.setdefault(key, chunk[key])
-                else:
-                    top.setdefault(key, []).extend(_int_list(chunk[key]) or [])
-        for pos, ch in enumerate(chunk.get("choices") or []):
-            if not isinstance(ch, dict):
-                continue
-            idx = ch.get("index", pos)
-            c = choices.setdefault(idx, _ChatChoice(idx))
-            if isinstance(ch.get("delta"), dict):
-                c.apply_delta(ch["delta"])
-            elif isinstance(ch.get("message"), dict):
-                c.apply_message(ch["message"])
-            if ch.get("finish_reason"):
-                c.finish_reason = ch["finish_reason"]
-            c.tokens.absorb_choice(ch)
-    body = {**top, "object": "chat.completion",
-            "choices": [choices[k].as_choice() for k in sorted(choices)]}
-    return body, error
 
 
 # --- completions -----------------------------------------------------------------------------
@@ -579,38 +280,6 @@ def parse_completions_stream(events: list[tuple[str | None, dict]]
                              ) -> tuple[dict, dict, dict | None]:
     body, error = reassemble_completions_stream(events)
     return parse_completions(body), body, error
-
-
-def reassemble_completions_stream(events: list[tuple[str | None, dict]]
-                                  ) -> tuple[dict, dict | None]:
-    """A completions stream as the `text_completion` object of a non-streamed call, and the
-    stream's error event or None."""
-    choices: dict[int, dict] = {}
-    toks: dict[int, TokenAccumulator] = {}
-    top: dict[str, Any] = {}
-    error = None
-    for _, chunk in events:
-        if "error" in chunk and not chunk.get("choices"):
-            error = chunk["error"]
-            continue
-        for key in ("id", "model", "created", "system_fingerprint", "prompt_token_ids"):
-            if chunk.get(key) is not None and key not in top:
-                top[key] = chunk[key]
-        if isinstance(chunk.get("usage"), dict):
-            top["usage"] = chunk["usage"]
-        for pos, ch in enumerate(chunk.get("choices") or []):
-            if not isinstance(ch, dict):
-                continue
-            idx = ch.get("index", pos)
-            c = choices.setdefault(idx, {"index": idx, "text": "", "finish_reason": None})
-            if isinstance(ch.get("text"), str):
-                c["text"] += ch["text"]
-            if ch.get("finish_reason"):
-                c["finish_reason"] = ch["finish_reason"]
-            toks.setdefault(idx, TokenAccumulator()).absorb_choice(ch)
-    body = {**top, "object": "text_completion",
-            "choices": [{**choices[k], **toks[k].choice_fields()} for k in sorted(choices)]}
-    return body, error
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -670,64 +339,6 @@ def parse_responses(resp: dict) -> dict:
     tokens = _merge_tokens([(0, toks.result())], resp)
     return {"action": action, "hidden_state": hidden, "tokens": tokens,
             "finish_reasons": [finish] if finish else []}
-
-
-def reassemble_responses_stream(events: list[tuple[str | None, dict]]
-                                ) -> tuple[dict, dict | None]:
-    """The final `response` object of a Responses stream: the one carried by
-    `response.completed` (or `.failed` / `.incomplete`) when it arrived, else rebuilt from the
-    output-item and delta events (a cut-off stream). Returns (response, error)."""
-    final: dict | None = None
-    latest: dict = {}
-    items: dict[int, dict] = {}
-    error = None
-    for event, ev in events:
-        kind = ev.get("type") or event or ""
-        if kind in ("response.completed", "response.failed", "response.incomplete"):
-            if isinstance(ev.get("response"), dict):
-                final = ev["response"]
-            if kind == "response.failed" and isinstance(final, dict):
-                error = final.get("error") or {"message": "response.failed"}
-        elif kind in ("response.created", "response.in_progress"):
-            if isinstance(ev.get("response"), dict):
-                latest = ev["response"]
-        elif kind == "error":
-            error = ev.get("error") if isinstance(ev.get("error"), dict) else {
-                k: v for k, v in ev.items() if k != "type"}
-        elif kind == "response.output_item.added" or kind == "response.output_item.done":
-            if isinstance(ev.get("item"), dict):
-                item = dict(ev["item"])
-                if kind == "response.output_item.added" and item.get("type") == "message":
-                    item.setdefault("content", [])
-                items[ev.get("output_index", len(items))] = item
-        elif kind == "response.output_text.delta":
-            item = items.setdefault(ev.get("output_index", 0),
-                                    {"type": "message", "role": "assistant", "content": []})
-            content = item.setdefault("content", [])
-            ci = ev.get("content_index", 0)
-            while len(content) <= ci:
-                content.append({"type": "output_text", "text": ""})
-            part = content[ci]
-            part["text"] = (part.get("text") or "") + (ev.get("delta") or "")
-            if isinstance(ev.get("logprobs"), list):
-                part.setdefault("logprobs", []).extend(ev["logprobs"])
-        elif kind == "response.function_call_arguments.delta":
-            item = items.setdefault(ev.get("output_index", 0),
-                                    {"type": "function_call", "arguments": ""})
-            item["arguments"] = (item.get("arguments") or "") + (ev.get("delta") or "")
-        elif kind in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta"):
-            item = items.setdefault(ev.get("output_index", 0), {"type": "reasoning"})
-            key = "content" if kind == "response.reasoning_text.delta" else "summary"
-            parts = item.setdefault(key, [])
-            if not parts:
-                parts.append({"type": "reasoning_text", "text": ""})
-            parts[-1]["text"] = (parts[-1].get("text") or "") + (ev.get("delta") or "")
-    if final is not None:
-        return final, error
-    rebuilt = dict(latest)
-    rebuilt["output"] = [items[k] for k in sorted(items)]
-    rebuilt.setdefault("status", "incomplete")
-    return rebuilt, error
 
 
 # --- the step ---------------------------------------------------------------------------------

@@ -1,9 +1,13 @@
-"""Keys and AEAD: the master key, per-subject/per-tenant data keys, keyed hashes, token hashes.
+"""Keys and AEAD: the master key, data keys, keyed hashes, token hashes (primitives only).
 
 Layering: the master key (32 bytes, from STEWARD_MASTER_KEY or a file) wraps data keys with
 AES-256-GCM; data keys encrypt raw payloads with AES-256-GCM. Subject identifiers are stored
 only as HMAC-SHA256 under a key derived from the master key, so the same subject maps to the
 same hash in a tenant but cannot be reversed or looked up in another tenant.
+
+Django-free: every function takes the key it uses. The configured master key of the web and
+worker processes, and the functions bound to it, are in governance/keyring.py; the proxy loads
+its own with `load_master_key` from its environment.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import hmac
 import os
 import secrets
 from collections.abc import Callable
-from functools import lru_cache
 from pathlib import Path
 
 from cryptography.hazmat.primitives import hashes
@@ -51,14 +54,6 @@ def load_master_key(env_value: str = "", file_path: str = "", create: bool = Fal
     return key
 
 
-@lru_cache(maxsize=1)
-def master_key() -> bytes:
-    from django.conf import settings
-
-    return load_master_key(settings.STEWARD_MASTER_KEY, settings.STEWARD_MASTER_KEY_FILE,
-                           create=True)
-
-
 def derive_key(master: bytes, purpose: str) -> bytes:
     """A 32-byte sub-key for one purpose (spool encryption, subject hashing, ...)."""
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
@@ -82,24 +77,11 @@ def new_data_key() -> bytes:
     return AESGCM.generate_key(bit_length=256)
 
 
-def wrap_data_key(data_key: bytes, aad: bytes) -> bytes:
-    return seal(master_key(), data_key, aad)
-
-
-def unwrap_data_key(wrapped: bytes, aad: bytes) -> bytes:
-    return open_sealed(master_key(), bytes(wrapped), aad)
-
-
-def subject_hash(tenant_id: int, subject: str) -> str:
-    """Keyed hash of a data subject identifier, per tenant. Normalised (trimmed, casefolded) so
-    `Alice@Example.com` and `alice@example.com ` are the same person."""
-    return subject_hasher(tenant_id)(subject)
-
-
-def subject_hasher(tenant_id: int) -> Callable[[str], str]:
-    """`subject_hash` for one tenant with the key derived once: for hashing many candidates
-    (erasure's scan of payloads that were never indexed)."""
-    key = derive_key(master_key(), "subject-hash")
+def subject_hasher(master: bytes, tenant_id: int) -> Callable[[str], str]:
+    """The keyed hash of a data subject identifier in one tenant, with the key derived once
+    (erasure hashes many candidates). Normalised (trimmed, casefolded) so `Alice@Example.com`
+    and `alice@example.com ` are the same person."""
+    key = derive_key(master, "subject-hash")
     prefix = f"{tenant_id}:"
 
     def digest(subject: str) -> str:

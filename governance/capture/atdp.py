@@ -30,7 +30,7 @@ from django.db.models.expressions import RawSQL
 from governance.models import Consent, Interaction, Reward, Step, Trajectory
 
 ATDP_VERSION = "1.0"
-SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "atdp-v1.schema.json"
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "atdp-v1.schema.json"
 
 
 @lru_cache(maxsize=1)

@@ -19,8 +19,9 @@ from typing import Any
 import orjson
 from django.db import connection
 
-from governance.crypto import new_data_key, open_sealed, seal, unwrap_data_key, wrap_data_key
+from governance.keyring import unwrap_data_key, wrap_data_key
 from governance.models import DataKey, Interaction
+from wire.crypto import new_data_key, open_sealed, seal
 
 # `routing`: the canary route/arm and context updates the proxy applied (proxy/routing.py);
 # the step builder copies it into the step's `versions`.
