@@ -27,3 +27,9 @@ if not os.environ.get("DATABASE_URL"):
             f"{TEST_BROKER_DATABASE}")
 
 from config.settings import *  # noqa: E402, F403
+
+# The test suite's one cross-tenant path (governance.tenancy._unscoped_test_caller): a tenant
+# model's manager used outside any scope by code in tests/ (fixtures, assertions) reads across
+# tenants instead of raising; product code the tests call still needs its scope. Defined here
+# only, never from the environment: production settings have no such path.
+STEWARD_UNSCOPED_TEST_CALLERS = (str(Path(__file__).resolve().parent.parent / "tests") + os.sep,)

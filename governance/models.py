@@ -1,9 +1,10 @@
 """Steward's data model: tenants and roles, keys, ATDP trajectories and steps, raw interactions,
 late-bound rewards and the hash-chained audit log.
 
-Every table that carries tenant data has a `tenant` foreign key and is read through
-`TenantQuerySet.for_tenant(...)` — the one place tenant scoping lives (see governance/api.py for
-the DRF side).
+Every table that carries tenant data has a `tenant` foreign key and is read through its default
+manager, governance.tenancy.TenantManager, which filters by the transaction's tenant scope (and
+raises outside any) — the one place tenant scoping lives (see governance/api.py for the DRF
+side).
 """
 
 from __future__ import annotations
@@ -13,21 +14,15 @@ import uuid
 from django.conf import settings
 from django.db import models
 
+# The scoped manager of every tenant model: it filters by the current tenant scope itself.
+from governance.tenancy import TenantManager, TenantQuerySet  # noqa: F401
+
 
 class Role(models.TextChoices):
     ADMIN = "admin", "Tenant admin"
     STEWARD = "steward", "Data steward"
     COMPLIANCE = "compliance", "Compliance officer"
     AUDITOR = "auditor", "Auditor"
-
-
-class TenantQuerySet(models.QuerySet):
-    def for_tenant(self, tenant: Tenant | int) -> TenantQuerySet:
-        tenant_id = tenant if isinstance(tenant, int) else tenant.pk
-        return self.filter(tenant_id=tenant_id)
-
-
-TenantManager = models.Manager.from_queryset(TenantQuerySet)
 
 
 class Tenant(models.Model):

@@ -45,13 +45,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, models, transaction
+from django.db.models import signals
 
 TENANT_SETTING = "steward.tenant_id"
 SYSTEM_SETTING = "steward.system"
@@ -215,6 +219,115 @@ def tenant_atomic(path: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+# --- the scoped manager: the first wall, applied by the ORM itself ---------------------------
+#
+# `Model.objects` on every tenant model (TenantManager) reads the scope above when it makes a
+# queryset (get_queryset: `Model.objects.filter(...)`, `.all()`, reverse relations such as
+# `trajectory.steps`, prefetch_related, DRF and admin alike):
+#   tenant scope    -> `tenant_id = <the scope's tenant>`
+#   system scope    -> every tenant (the scope names its reason)
+#   anonymous scope -> no rows (a request not yet authenticated; RLS would show none either)
+#   no scope        -> TenantScopeError naming the model
+# It is checked when the queryset is made, not when it is evaluated, so the traceback points at
+# the line that forgot its scope, and a queryset made inside a scope keeps that scope's filter.
+# Forward foreign keys (`step.trajectory`) and Model.save()'s UPDATE use Django's
+# `_base_manager` (a plain Manager, deliberately left alone: Django needs it unfiltered to reach
+# related rows of a row already read in scope); RLS still holds there. Writes are checked too:
+# a row saved or bulk-created inside a tenant scope must carry that tenant.
+# Historical models in migrations get a plain manager (use_in_migrations stays False), so data
+# migrations are not affected.
+
+
+def _unscoped_test_caller() -> bool:
+    """True when the code asking for a queryset outside any scope is the test suite's own
+    (fixtures, assertions), not product code it calls: the one cross-tenant path for tests.
+    STEWARD_UNSCOPED_TEST_CALLERS is defined by config/test_settings.py only (never read
+    from the environment), so production has no such path."""
+    roots = getattr(settings, "STEWARD_UNSCOPED_TEST_CALLERS", ())
+    if not roots:
+        return False
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_PROJECT_ROOT) and not filename.startswith(_LIBRARY_FILES):
+            return filename.startswith(tuple(roots))
+        frame = frame.f_back
+    return False
+
+
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
+# The project's own files the walk skips to find the caller: this module and the models that
+# declare the manager (and the virtual environment, when it lives in the project).
+_LIBRARY_FILES = (__file__, str(Path(__file__).with_name("models.py")),
+                  _PROJECT_ROOT + ".venv" + os.sep)
+
+
+def require_scope(model: type, using: str = DEFAULT_DB_ALIAS) -> Scope | None:
+    """The scope a query on a tenant model runs under; raises TenantScopeError outside any
+    scope (None: the test suite's own unscoped access, see _unscoped_test_caller)."""
+    scope = current_scope(using)
+    if scope is None and not _unscoped_test_caller():
+        raise TenantScopeError(
+            f"{model.__name__} is tenant data, read outside any tenant scope: open "
+            "tenant_context(tenant), or system_context(reason) for a named cross-tenant path "
+            "(governance/tenancy.py)")
+    return scope
+
+
+def check_write(instance: Any, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Refuse to write a row of another tenant than the current tenant scope's."""
+    scope = require_scope(type(instance), using)
+    if scope is None or scope.kind == "system":
+        return
+    if scope.kind != "tenant" or instance.tenant_id != scope.tenant_id:
+        raise TenantScopeError(
+            f"{type(instance).__name__} of tenant {instance.tenant_id} written inside the scope "
+            f"of {'tenant ' + str(scope.tenant_id) if scope.tenant_id else 'no tenant'}")
+
+
+class TenantQuerySet(models.QuerySet):
+    def for_tenant(self, tenant: Any) -> TenantQuerySet:
+        """Narrow to one tenant: a no-op inside that tenant's scope, the way a system scope
+        works on one tenant's rows, and nothing at all inside another tenant's scope."""
+        return self.filter(tenant_id=_tenant_id(tenant))
+
+    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list:
+        objs = list(objs)
+        for obj in objs:  # bulk_create sends no pre_save signal
+            check_write(obj, self.db)
+        return super().bulk_create(objs, *args, **kwargs)
+
+    def update(self, **kwargs: Any) -> int:
+        if "tenant" in kwargs or "tenant_id" in kwargs:
+            raise TenantScopeError(f"{self.model.__name__}: a row never moves to another tenant")
+        return super().update(**kwargs)
+
+
+class TenantManager(models.Manager.from_queryset(TenantQuerySet)):  # type: ignore[misc]
+    """The default manager of every tenant model: querysets filtered by the current scope."""
+
+    def get_queryset(self) -> TenantQuerySet:
+        qs = super().get_queryset()
+        scope = require_scope(self.model, self.db)
+        if scope is None or scope.kind == "system":
+            return qs
+        if scope.kind == "tenant":
+            return qs.filter(tenant_id=scope.tenant_id)
+        return qs.none()
+
+    def contribute_to_class(self, cls: type, name: str) -> None:
+        super().contribute_to_class(cls, name)
+        if not cls._meta.abstract:
+            signals.pre_save.connect(_check_save, sender=cls, weak=False,
+                                     dispatch_uid=f"steward-tenant-write-{cls._meta.label}")
+
+
+def _check_save(sender: type, instance: Any, using: str = DEFAULT_DB_ALIAS, raw: bool = False,
+                **kwargs: Any) -> None:
+    if not raw:  # loaddata writes fixtures as they are
+        check_write(instance, using)
 
 
 # --- cross-tenant lookups (SECURITY DEFINER functions of migration 0004) --------------------
