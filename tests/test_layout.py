@@ -22,11 +22,6 @@ ALLOWED = {
     "evolution": {"wire", "governance", "trainer"},
     "config": set(PACKAGES),
 }
-# Edges other branches of issue 15 remove (erasure participants, train_demo); the lead empties
-# this set at merge.
-_PENDING_OTHER_BRANCHES = {
-    ("governance", "trainer"),
-}
 
 
 def import_edges() -> dict[tuple[str, str], list[str]]:
@@ -50,15 +45,14 @@ def import_edges() -> dict[tuple[str, str], list[str]]:
 
 def test_package_imports_follow_the_layers() -> None:
     bad = {edge: where for edge, where in import_edges().items()
-           if edge[1] not in ALLOWED[edge[0]] and edge not in _PENDING_OTHER_BRANCHES}
+           if edge[1] not in ALLOWED[edge[0]]}
     assert not bad, bad
 
 
 def test_no_cycle_between_packages() -> None:
     graph: dict[str, set[str]] = {}
     for src, dst in import_edges():
-        if (src, dst) not in _PENDING_OTHER_BRANCHES:
-            graph.setdefault(src, set()).add(dst)
+        graph.setdefault(src, set()).add(dst)
     state: dict[str, int] = {}
 
     def visit(node: str, trail: list[str]) -> None:
