@@ -15,6 +15,7 @@ from governance.capture.atdp import SCHEMA_PATH, trajectory_document
 from governance.models import Trajectory
 from governance.sanitizer import SANITIZER_VERSION
 from governance.services import record_reward
+from governance.tenancy import tenant_context
 from tests.pipeline import chat_response, make_record, ship_and_build
 
 
@@ -143,8 +144,8 @@ def test_documents_validate_across_endpoints_and_failures(tenant, agent, tmp_pat
     assert counts["inserted"] == len(records)
 
     t = Trajectory.objects.select_related("tenant", "agent").get(pk=traj)
-    with django_assert_max_num_queries(3):  # steps + finding counts, rewards, unbuilt calls
-        doc = trajectory_document(t)
+    with tenant_context(tenant), django_assert_max_num_queries(3):  # steps + finding counts,
+        doc = trajectory_document(t)  # rewards, unbuilt calls
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
 
@@ -218,7 +219,8 @@ def test_schema_rejects_a_broken_document(validator, tenant, agent, tmp_path):
     """The schema has teeth: the same document with a field broken no longer validates."""
     traj = str(uuid.uuid4())
     ship_and_build(tmp_path / "spool", tool_conversation(tenant, agent, traj, time.time()))
-    doc = trajectory_document(Trajectory.objects.get(pk=traj))
+    with tenant_context(tenant):
+        doc = trajectory_document(Trajectory.objects.get(pk=traj))
     assert validator.is_valid(doc)
     for breaker in (lambda d: d.update(atdp_version="2.0"),
                     lambda d: d["steps"][0].pop("observation"),

@@ -20,6 +20,7 @@ import pytest
 
 from governance import services as gov
 from governance.models import AuditEvent
+from governance.tenancy import tenant_context
 from tests.govdata import make_trajectory
 from trainer.models import Checkpoint, TrainingJob, TrainingMetric
 from trainer.views import training_summary
@@ -438,10 +439,12 @@ def test_lists_run_a_fixed_number_of_queries(client, people, world):
 
 
 def test_training_summary_for_the_overview(tenant, other_tenant, people, world):
-    summary = training_summary(tenant)
+    with tenant_context(tenant):
+        summary = training_summary(tenant)
     assert summary["running"] == 1 and summary["queued"] == 0
     assert summary["latest"].pk == world["done"].pk
-    assert training_summary(other_tenant) == {"running": 0, "queued": 0, "latest": None}
+    with tenant_context(other_tenant):
+        assert training_summary(other_tenant) == {"running": 0, "queued": 0, "latest": None}
 
 
 def test_lists_are_paginated_by_fifty(client, people, world):

@@ -28,6 +28,7 @@ from governance.models import (
     Trajectory,
 )
 from governance.sanitizer import normalize_identifier
+from governance.tenancy import tenant_context
 from tests.govdata import make_trajectory
 
 ROLES = ["admin", "steward", "compliance", "auditor"]
@@ -288,8 +289,9 @@ def test_reward_filter_uses_the_latest_final_value(client, make_member, tenant, 
     # The same rule as dataset selection (governance.datasets.latest_reward_value).
     from governance.datasets import latest_reward_value
 
-    expected = {str(t.pk) for t in Trajectory.objects.for_tenant(tenant).annotate(
-        v=latest_reward_value(tenant.pk, "reward")).filter(v__gte=0.5)}
+    with tenant_context(tenant):
+        expected = {str(t.pk) for t in Trajectory.objects.for_tenant(tenant).annotate(
+            v=latest_reward_value(tenant.pk, "reward")).filter(v__gte=0.5)}
     assert found("reward_name=reward&reward_min=0.5") == expected
     # The matching value is shown in its own column.
     body = client.get("/trajectories/?reward_name=reward&reward_max=0.5").content.decode()
