@@ -759,6 +759,7 @@ _NER_LABELS = {"PERSON": "PERSON", "GPE": "LOCATION", "LOC": "LOCATION", "FAC": 
                "ORG": "ORGANIZATION"}
 
 
+@lru_cache(maxsize=1)
 def country_names() -> frozenset[str]:
     """Country names in the languages libphonenumber knows (its region display names)."""
     from phonenumbers.geodata.locale import LOCALE_DATA

@@ -146,7 +146,14 @@ _STRONG_CUE = re.compile(
 # verb at the start of a sentence ("said Gladys to Logan", "Vide, can I ...", "Shovda is").
 _WEAK_BEFORE = re.compile(
     rf"(?i:\b(?:said|says|told|tell|asked|ask|thank|thanks|meet|met|with|and|by|to|for|from|"
-    rf"add|under|let|see|saw|call|email|ping|invite|hire|hired|cc)[ \t]+)({_W})(?![\w@])")
+    rf"add|under|let|see|saw|call|email|ping|invite|hire|hired|cc)[ \t]+)({_W})(?![\w@])"
+    # ... but not a city or a host before a word that makes it one ("to Paris region",
+    # "ask Berlin team", "with Jordan cluster").
+    rf"(?![ \t]+(?:region|team|office|cluster|server|servers|datacenter|data[ \t]?cent(?:er|re)|"
+    rf"zone|area|city|branch|site|campus|airport|station|hq|time|timezone|build|release|repo|"
+    rf"project|account|instance|node|pool|bucket|deployment|environment|env|endpoint|"
+    rf"mirror|queue|edition|version)\b)")
+_PLACE_PREPOSITIONS = frozenset({"to", "for", "from", "with", "by", "and", "under"})
 _WEAK_AFTER = re.compile(
     rf"(?:^|(?<=[.!?][ \t])|(?<=\n))[ \t]*({_W})(?=[ \t]*,|[ \t]+(?:is|was|has|had|lives|"
     rf"lived|said|says|will|would|can|could|wants|wanted|called|went|works|worked|and)\b)")
@@ -177,6 +184,10 @@ class GazetteerNameRecognizer:
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.7, "name_cue")
         for rx in (_WEAK_BEFORE, _WEAK_AFTER):
             for m in rx.finditer(text):
+                cue = text[m.start():m.start(1)].strip().casefold()
+                # "ship to Jordan" is a country, "tell Jordan" a person.
+                if cue in _PLACE_PREPOSITIONS and m.group(1).casefold() in R.country_names():
+                    continue
                 if is_first(m.group(1)) and surname_like(m.group(1)):
                     yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_cue")
         members = [(m.start(m.lastindex), m.end(m.lastindex), m.group(m.lastindex))
