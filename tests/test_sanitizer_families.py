@@ -354,3 +354,11 @@ def test_keyed_json_number(sanitizer, key, value, replaced):
             assert obj[key] != value and str(value) not in json.dumps(obj)
         else:
             assert obj[key] == value
+
+
+def test_trimmed_address_piece_inside_a_timestamp_is_kept(sanitizer):
+    """The agent-traffic regression: the phone takes "4589" of an address match "4589 Total
+    2005", and the rest stops inside a timestamp, so it is not replaced as an address."""
+    out = out_text(sanitizer, "phone number: (934)585-4589 Total 2005-07-09T16:41:23.115794Z "
+                              "incl. VAT.")
+    assert "585-4589" not in out and "Total 2005-07-09T16:41:23.115794Z" in out, out

@@ -326,6 +326,7 @@ class Sanitizer:
 # dropping the whole block left the city, the flat and the postcode in the clear.
 _TRIMMABLE = frozenset({"STREET_ADDRESS", "LOCATION"})
 _EDGE = re.compile(r"^[\W_]+|[\W_]+$")
+_MID_TOKEN = re.compile(r"\w|[-/.:]\w")
 
 
 def _trim(text: str, span: R.Span, kept: list[R.Span]) -> list[R.Span]:
@@ -343,9 +344,12 @@ def _trim(text: str, span: R.Span, kept: list[R.Span]) -> list[R.Span]:
         lead = _EDGE.match(value)
         start = p.start + (lead.end() if lead else 0)
         stripped = _EDGE.sub("", value)
-        # A piece worth replacing: two characters or more with a letter or digit in them.
-        if len(stripped) >= 2:
-            out.append(R.Span(p.entity_type, start, start + len(stripped), p.score,
+        end = start + len(stripped)
+        # A piece worth replacing: two characters or more with a letter or digit in them, that
+        # ends where a token ends ("4589 Total 2005-07-09T16:41Z": the phone took the house
+        # number, and what is left stops inside a timestamp, so it was never an address).
+        if len(stripped) >= 2 and not _MID_TOKEN.match(text, end):
+            out.append(R.Span(p.entity_type, start, end, p.score,
                               p.recognizer))
     return out
 
