@@ -15,6 +15,7 @@ import ipaddress
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import phonenumbers
 
@@ -438,9 +439,12 @@ def _has_7_digits(text: str) -> bool:
 
 # --- person names from context -----------------------------------------------------------------
 
-# Latin letters incl. accents (Pénélope, Fábregas, Łukasz); names are capitalised words.
-UP = "A-ZÀ-ÖØ-ÞĀĂĄĆĈĊČĎĐĒĖĘĚĜĞĠĢĤĨĪĮİĶĹĻĽŁŃŅŇŌŐŒŔŘŚŜŞŠŢŤŪŮŰŲŴŶŸŹŻŽ"
-LO = "a-zß-öø-ÿāăąćĉċčďđēėęěĝğġģĥĩīįıķĺļľłńņňōőœŕřśŝşšţťūůűųŵŷźżž"
+# Latin letters incl. accents (Pénélope, Fábregas, Łukasz), Greek and Cyrillic (ΠΑΦΟΣ,
+# Μεγάλη Άμμος, Юлия); names and places are capitalised words.
+UP = ("A-ZÀ-ÖØ-ÞĀĂĄĆĈĊČĎĐĒĖĘĚĜĞĠĢĤĨĪĮİĶĹĻĽŁŃŅŇŌŐŒŔŘŚŜŞŠŢŤŪŮŰŲŴŶŸŹŻŽ"
+      "Α-ΡΣ-ΩΆΈΉΊΌΎΏΪΫА-ЯЁЄІЇЎ")
+LO = ("a-zß-öø-ÿāăąćĉċčďđēėęěĝğġģĥĩīįıķĺļľłńņňōőœŕřśŝşšţťūůűųŵŷźżž"
+      "α-ωάέήίόύώϊϋΐΰа-яёєіїў")
 # (\uXXXX: a name inside JSON that was dumped with ensure_ascii into a prompt.)
 _WORD = rf"[{UP}](?:[{LO}'’]|\\u[0-9a-fA-F]{{4}})+(?:-[{UP}]?(?:[{LO}'’]|\\u[0-9a-fA-F]{{4}})+)*"
 _PARTICLE = (r"(?:van|von|der|den|de|del|della|da|das|do|dos|di|du|die|ten|ter|op|le|la|y|e|"
@@ -546,7 +550,8 @@ PERSON_KEYS = re.compile(
 # Keys whose value is wholly one entity of another kind ({"dob": "1961-03-14"}).
 KEYED_ENTITIES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(?i)^(?:(?:customer|patient|user|person|client)_)?age(?:_years)?$"), "AGE"),
-    (re.compile(r"(?i)^(?:dob|d_o_b|date_of_birth|birth_?date|birth_?day|born(?:_on)?)$"),
+    (re.compile(r"(?i)^(?:dob|d_o_b|date_of_birth|birth_?date|birth_?day|born(?:_on)?|"
+                r"year_?of_?birth|yob|birth_?year)$"),
      "DATE_OF_BIRTH"),
     (re.compile(r"(?i)^(?:(?:home|street|postal|mailing|billing|shipping|residential|"
                 r"delivery|customer)_)?address(?:_?line)?(?:_?\d)?$|^street(?:_address)?$"),
@@ -754,6 +759,7 @@ _NER_LABELS = {"PERSON": "PERSON", "GPE": "LOCATION", "LOC": "LOCATION", "FAC": 
                "ORG": "ORGANIZATION"}
 
 
+@lru_cache(maxsize=1)
 def country_names() -> frozenset[str]:
     """Country names in the languages libphonenumber knows (its region display names)."""
     from phonenumbers.geodata.locale import LOCALE_DATA
@@ -937,8 +943,8 @@ class AddressRecognizer:
         postcode, country. Stops at a blank line, a sentence or a labelled field."""
         pos = end
         for _ in range(limit):
-            m = re.match(r"[ \t]*(?:,[ \t]*\n?|\n)(?:[ \t]*[>?]+)*[ \t]*(?:,[ \t]*)?|[ \t]+",
-                         text[pos:])
+            m = re.match(r"[ \t]*(?:,[ \t]*\n?|\n(?:[ \t]*\n)?)(?:[ \t]*[>?]+)*[ \t]*"
+                         r"(?:,[ \t]*)?|[ \t]+", text[pos:])
             if m is None or not m.group(0):
                 break
             seg_start = pos + m.end()
@@ -949,6 +955,10 @@ class AddressRecognizer:
             if line is None or line.end() == seg_start:
                 break
             seg_end = line.end()
+            # Past a blank line only the block's last line: a country and/or a postcode
+            # ("Suwałki\n\n Poland 11248").
+            if m.group(0).count("\n") > 1 and not _country_or_postcode(text[seg_start:seg_end]):
+                break
             after = text[seg_end:seg_end + 1]
             # A part of an address block ends the line or a comma-separated part.
             if after not in ("", "\n", ",", ".", ";", ")", "\r") and not u:
@@ -957,6 +967,21 @@ class AddressRecognizer:
                 return seg_start
             pos = len(text[:seg_end].rstrip(" \t"))
         return pos if not probe else end + 3
+
+
+_POSTCODE = re.compile(r"\d{3,6}(?:[ \t-]?[A-Z]{2}|[ \t]\d{2,3})?|[A-Z]\d[A-Z][ \t]?\d[A-Z]\d")
+
+
+def _country_or_postcode(line: str) -> bool:
+    line = line.strip()
+    if _POSTCODE.search(line):
+        return True
+    return line.casefold() in _countries()
+
+
+@lru_cache(maxsize=1)
+def _countries() -> frozenset[str]:
+    return country_names()
 
 
 # --- places the model misses ---------------------------------------------------------------------

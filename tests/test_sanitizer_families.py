@@ -252,3 +252,113 @@ def test_planted_value_never_survives(sanitizer, family, before, after, how):
     if kind == "request":
         json.loads(result.body["messages"][2]["tool_calls"][0]["function"]["arguments"])
     assert value not in json.dumps(result.findings)
+
+
+# --- the recall rules of issue 14: names, address blocks, places, keyed JSON numbers ------------
+
+# (text, value that must not survive): one or two per rule in governance/sanitizer/names.py.
+NAME_RULE_POSITIVES = [
+    # a known first name + a surname not in the gazetteer
+    ("Please forward the file to Edvard Petrussen by Monday.", "Petrussen"),
+    # a name on a line of its own (a signature, after a quote mark)
+    ("Best regards,\nEsat Jeknić\n", "Jeknić"),
+    ("Thanks,\n> Ella H. Snider", "Snider"),
+    # strong one-word cues
+    ("We adopted a dog named Vrenka last year.", "Vrenka"),
+    ("Hi, call me Tovah please.", "Tovah"),
+    ("My son Dariel starts school in May.", "Dariel"),
+    ("Her last name is Okonkwo-Brandt.", "Okonkwo-Brandt"),
+    # a known first name after a verb of speech
+    ("said Gladys to the team", "Gladys"),
+    ("Run the job with Python, then tell Jordan.", "Jordan"),
+    # the unfamiliar members of a list with two known names in it
+    ("The founders: Monjeau, Graves and Reed.", "Monjeau"),
+    # Cyrillic capitals
+    ("Contact: Юлия Смирнова", "Смирнова"),
+]
+
+# (text, words that must be kept): ids, versions, shas, ordinary capitalised words; and no
+# PERSON anywhere (a city may be replaced, as a LOCATION).
+NAME_RULE_NEGATIVES = [
+    ("Release v2.3.1 (commit 9fceb02d0ae598e95dc970b74767f19372d61af8, ticket INC4075079) is "
+     "out.", ["v2.3.1", "9fceb02d0ae598e95dc970b74767f19372d61af8", "INC4075079"]),
+    ("The Build Pipeline\nRelease Notes\nDeploy Staging",
+     ["Build Pipeline", "Release Notes", "Deploy Staging"]),
+    ("The file named README is in the repo.", ["README"]),
+    ("We named the branch feature-login.", ["feature-login"]),
+    ("Talk to Berlin team and ask Docker about Kubernetes.", ["Docker", "Kubernetes"]),
+    ("Meet with Sydney office and the Madrid team at 10.", ["office", "team"]),
+]
+
+
+@pytest.mark.parametrize(("text", "value"), NAME_RULE_POSITIVES,
+                         ids=[f"name-{i}" for i in range(len(NAME_RULE_POSITIVES))])
+@pytest.mark.parametrize("how", PLACEMENTS)
+def test_name_rule_positive(sanitizer, text, value, how):
+    assert value not in out_text(sanitizer, text, how)
+
+
+@pytest.mark.parametrize(("text", "kept"), NAME_RULE_NEGATIVES,
+                         ids=[f"not-name-{i}" for i in range(len(NAME_RULE_NEGATIVES))])
+def test_name_rule_negative(sanitizer, text, kept):
+    out = out_text(sanitizer, text)
+    assert all(word in out for word in kept) and "<PERSON_" not in out, out
+
+
+def test_place_before_a_speech_verb_name_is_no_person(sanitizer):
+    """"to Paris region": Paris is a first name in the gazetteer, but here it is a place."""
+    out = out_text(sanitizer, "Deploy to Paris region, then tell Jordan")
+    assert "Jordan" not in out
+    assert "<PERSON_" not in out.split("then")[0], out
+
+
+@pytest.mark.parametrize(("text", "gone", "kept"), [
+    # the block crosses a blank line to its country line
+    ("Ship to:\n12 Kastanienallee\n10435 Berlin\n\nGermany", ["Kastanienallee", "10435"],
+     []),
+    ("Ship to:\nul. Kościuszki 5\nSuwałki\n\nPoland 11248", ["Kościuszki", "Suwałki", "11248"],
+     []),
+    # ... but not to a sentence after the blank line
+    ("Notes:\n12 Main Street\n\nThe build failed on step 3.", ["Main Street"],
+     ["The build failed on step 3."]),
+])
+def test_address_block_over_a_blank_line(sanitizer, text, gone, kept):
+    out = out_text(sanitizer, text)
+    assert not any(v in out for v in gone), out
+    assert all(v in out for v in kept), out
+
+
+def _keyed_number_body(obj: dict) -> dict:
+    return {"model": "m", "messages": [
+        {"role": "user", "content": "update the record"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "update", "arguments": json.dumps(obj)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"row": obj})}]}
+
+
+@pytest.mark.parametrize(("key", "value", "replaced"), [
+    ("age", 73, True), ("patient_age", 73, True), ("zip", 94107, True),
+    ("birth_year", 1961, True), ("year", 2024, False), ("count", 73, False),
+    ("price", 9.5, False),
+])
+def test_keyed_json_number(sanitizer, key, value, replaced):
+    """A JSON number under an age/zip/birth-year key is that entity; other numbers stay."""
+    body = _keyed_number_body({key: value, "id": 7})
+    result = sanitizer.sanitize_bodies([("request", body)])[0].body
+    args = json.loads(result["messages"][1]["tool_calls"][0]["function"]["arguments"])
+    row = json.loads(result["messages"][2]["content"])["row"]
+    for obj in (args, row):
+        assert obj["id"] == 7
+        if replaced:
+            assert obj[key] != value and str(value) not in json.dumps(obj)
+        else:
+            assert obj[key] == value
+
+
+def test_trimmed_address_piece_inside_a_timestamp_is_kept(sanitizer):
+    """The agent-traffic regression: the phone takes "4589" of an address match "4589 Total
+    2005", and the rest stops inside a timestamp, so it is not replaced as an address."""
+    out = out_text(sanitizer, "phone number: (934)585-4589 Total 2005-07-09T16:41:23.115794Z "
+                              "incl. VAT.")
+    assert "585-4589" not in out and "Total 2005-07-09T16:41:23.115794Z" in out, out

@@ -277,6 +277,8 @@ class Sanitizer:
             if any(s.start < pe and ps < s.end for ps, pe in protected):
                 continue
             if any(_overlap(s, k) for k in kept):
+                if s.entity_type in _TRIMMABLE and not keep[s.entity_type]:
+                    kept.extend(_trim(text, s, kept))
                 continue
             kept.append(s)
         kept.sort(key=lambda s: s.start)
@@ -317,6 +319,39 @@ class Sanitizer:
             pos = s.end
         pieces.append(text[pos:])
         return "".join(pieces)
+
+
+# An address block or a place that overlaps a stronger span (a house number read as a phone,
+# a street name the model called a person) keeps the parts the stronger span does not cover:
+# dropping the whole block left the city, the flat and the postcode in the clear.
+_TRIMMABLE = frozenset({"STREET_ADDRESS", "LOCATION"})
+_EDGE = re.compile(r"^[\W_]+|[\W_]+$")
+_MID_TOKEN = re.compile(r"\w|[-/.:]\w")
+
+
+def _trim(text: str, span: R.Span, kept: list[R.Span]) -> list[R.Span]:
+    """The pieces of `span` outside every kept span, edges trimmed of spaces and punctuation."""
+    pieces: list[R.Span] = []
+    pos = span.start
+    for k in sorted((k for k in kept if _overlap(span, k)), key=lambda k: k.start):
+        pieces.append(R.Span(span.entity_type, pos, max(pos, k.start), span.score,
+                             span.recognizer))
+        pos = max(pos, k.end)
+    pieces.append(R.Span(span.entity_type, pos, span.end, span.score, span.recognizer))
+    out = []
+    for p in pieces:
+        value = text[p.start:p.end]
+        lead = _EDGE.match(value)
+        start = p.start + (lead.end() if lead else 0)
+        stripped = _EDGE.sub("", value)
+        end = start + len(stripped)
+        # A piece worth replacing: two characters or more with a letter or digit in them, that
+        # ends where a token ends ("4589 Total 2005-07-09T16:41Z": the phone took the house
+        # number, and what is left stops inside a timestamp, so it was never an address).
+        if len(stripped) >= 2 and not _MID_TOKEN.match(text, end):
+            out.append(R.Span(p.entity_type, start, end, p.score,
+                              p.recognizer))
+    return out
 
 
 def _merge_persons(spans: list[R.Span]) -> list[R.Span]:

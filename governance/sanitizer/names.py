@@ -102,6 +102,63 @@ _LOWER_LINE = re.compile(r"(?m)^[ \t]*([a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]+[a-z]
                          r"[a-zà-ÿ][a-zà-ÿ'’\-]+)[ \t]*$")
 
 
+# Words that end a street or place, never a surname ("Maria Street", "Victoria Station").
+_PLACE_WORDS = frozenset("""
+street st str road rd avenue ave boulevard blvd lane ln drive dr way court ct place pl square
+terrace close parkway highway circle trail route row walk alley mews gardens grove hill park
+green quay plaza point ridge view vista crossing station airport bridge beach island bay
+via rue calle""".split())
+
+
+def surname_like(word: str) -> bool:
+    """A capitalised word that may be an unfamiliar surname: not English, not agent or
+    organisation vocabulary, not a street or place word."""
+    w = word.casefold().strip(".,:;'\"’")
+    return (len(w) >= 2 and word[:1].isupper() and w not in _ENGLISH and w not in _PLACE_WORDS
+            and w not in R.AGENT_VOCAB and w not in R.ORG_WORDS)
+
+
+def first_and_surname(value: str) -> bool:
+    """A known first name followed by capitalised words that could be surnames
+    ("Edvard Petrussen", "Esat Jeknić"): the surname need not be in the gazetteer."""
+    words = [w for w in re.split(r"[\s\-]+", value.strip()) if w]
+    core = [w for w in words if not _INITIAL.fullmatch(w) and w.casefold() not in _PARTICLES]
+    if len(core) < 2 or len(core) > 4 or not is_first(core[0]):
+        return False
+    return all(surname_like(w) for w in core[1:])
+
+
+# A name on a line of its own (a signature, the first line of an address block), after an
+# optional quote mark: "> Ella H. Snider", "??? Carly Jones".
+_NAME_LINE = re.compile(rf"(?m)^[ \t]*(?:[>?*\-][ \t>?*\-]*)?({_W}(?:[ \t]+[{R.UP}]\.?)?"
+                        rf"(?:[ \t]+{_W}){{1,2}})[ \t]*$")
+# Cues after which one word is a person's name whatever the gazetteer says.
+_STRONG_CUE = re.compile(
+    rf"(?i:\b(?:named|call(?:s|ed)?[ \t]+me|(?:last|first|family|given|middle|sur|nick)[ \t]?name"
+    rf"(?:[ \t]+is)?\??|"
+    rf"(?:my|our|his|her|their|your)[ \t]+(?:kid|son|daughter|wife|husband|partner|brother|"
+    rf"sister|mom|mum|dad|mother|father|friend|boss|colleague|cousin|uncle|aunt|nephew|niece|"
+    rf"grandson|granddaughter|grandmother|grandfather|boyfriend|girlfriend|fianc[ée]e?|child|"
+    rf"baby|neighbou?r|roommate|flatmate|manager|doctor|lawyer|tenant|landlord))"
+    rf"[ \t]*[:,]?[ \t]+(?:(?:him|her|them)[ \t]+)?)"
+    rf"([{R.UP}{R.LO}][{R.LO}'’]+(?:-[{R.UP}{R.LO}][{R.LO}'’]+)?)(?![\w@])")
+# Weaker cues: a known first name after a verb of speech or company, or before a comma or a
+# verb at the start of a sentence ("said Gladys to Logan", "Vide, can I ...", "Shovda is").
+_WEAK_BEFORE = re.compile(
+    rf"(?i:\b(?:said|says|told|tell|asked|ask|thank|thanks|meet|met|with|and|by|to|for|from|"
+    rf"add|under|let|see|saw|call|email|ping|invite|hire|hired|cc)[ \t]+)({_W})(?![\w@])"
+    # ... but not a city or a host before a word that makes it one ("to Paris region",
+    # "ask Berlin team", "with Jordan cluster").
+    rf"(?![ \t]+(?:region|team|office|cluster|server|servers|datacenter|data[ \t]?cent(?:er|re)|"
+    rf"zone|area|city|branch|site|campus|airport|station|hq|time|timezone|build|release|repo|"
+    rf"project|account|instance|node|pool|bucket|deployment|environment|env|endpoint|"
+    rf"mirror|queue|edition|version)\b)")
+_PLACE_PREPOSITIONS = frozenset({"to", "for", "from", "with", "by", "and", "under"})
+_WEAK_AFTER = re.compile(
+    rf"(?:^|(?<=[.!?][ \t])|(?<=\n))[ \t]*({_W})(?=[ \t]*,|[ \t]+(?:is|was|has|had|lives|"
+    rf"lived|said|says|will|would|can|could|wants|wanted|called|went|works|worked|and)\b)")
+
+
 class GazetteerNameRecognizer:
     """Names the NER model did not call PERSON, found with the gazetteer (see module doc)."""
 
@@ -113,10 +170,34 @@ class GazetteerNameRecognizer:
             value = m.group(1)
             if all_names(value):
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.65, self.name)
+            elif first_and_surname(value):
+                yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_first+surname")
+        for m in _NAME_LINE.finditer(text):
+            value = m.group(1)
+            words = value.split()
+            if all(surname_like(w) or _INITIAL.fullmatch(w) for w in words) and any(
+                    is_name(w) for w in words):
+                yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_line")
+        for m in _STRONG_CUE.finditer(text):
+            word = m.group(1)
+            if word.casefold() not in _ENGLISH and word.casefold() not in R.AGENT_VOCAB:
+                yield R.Span("PERSON", m.start(1), m.end(1), 0.7, "name_cue")
+        for rx in (_WEAK_BEFORE, _WEAK_AFTER):
+            for m in rx.finditer(text):
+                cue = text[m.start():m.start(1)].strip().casefold()
+                # "ship to Jordan" is a country, "tell Jordan" a person.
+                if cue in _PLACE_PREPOSITIONS and m.group(1).casefold() in R.country_names():
+                    continue
+                if is_first(m.group(1)) and surname_like(m.group(1)):
+                    yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_cue")
         members = [(m.start(m.lastindex), m.end(m.lastindex), m.group(m.lastindex))
                    for m in _LIST.finditer(text)]
         named = [x for x in members if all_names(x[2], need_first=False)]
         if len(named) >= 2:
+            # Two known names make it a list of people: its other one-word members are too
+            # ("Monjeau, Graves and Reed").
+            named += [x for x in members if x not in named and " " not in x[2]
+                      and surname_like(x[2])]
             for start, end, _ in named:
                 yield R.Span("PERSON", start, end, 0.6, "name_list")
         for m in _SPEAKER.finditer(text):

@@ -89,6 +89,8 @@ class _Walker:
             for k, v in node.items():
                 if isinstance(v, str):
                     self._string(node, k, v, path, node, structured, value_path, emb)
+                elif isinstance(v, int | float) and not isinstance(v, bool):
+                    self._number(node, k, v, path, value_path, emb)
                 elif isinstance(v, dict | list):
                     if k in ("logprobs", "top_logprobs") and not structured:
                         continue  # token pieces: fixed after the content (see _fix_logprobs)
@@ -155,6 +157,18 @@ class _Walker:
             self._add(container, key, value, _text_mode(value), spath, svp, emb)
             return
         self._add(container, key, value, _text_mode(value, unknown=True), spath, svp, emb)
+
+    def _number(self, container: dict, key: str, value: int | float, path: str,
+                value_path: str | None, emb) -> None:
+        """A JSON number under a key that says what it is ({"age": 73}, {"zip": 94107},
+        {"birth_year": 1961}): the value is that entity, replaced by a placeholder string.
+        Other numbers (counts, prices, temperatures) are not text and stay as they are."""
+        keyed = R.keyed_entity(key)
+        if keyed is None:
+            return
+        spath = path if value_path else _key_path(path, key)
+        svp = _key_path(value_path, key) if value_path else None
+        self._add(container, key, json.dumps(value), f"keyed:{keyed}", spath, svp, emb)
 
     def _structured_string(self, container, key, value, spath, svp, emb, name: str) -> None:
         words = R.key_words(name) if name else ""
