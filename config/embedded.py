@@ -153,11 +153,6 @@ def expected_database_urls(var_dir: Path) -> tuple[str, str]:
             f"postgresql://{OWNER_ROLE}@/{DATABASE_NAME}?host={host}")
 
 
-def embedded_database_url(var_dir: Path) -> str:
-    """The app role's URL of the embedded database (see embedded_database_urls)."""
-    return embedded_database_urls(var_dir)[0]
-
-
 def running_pid(var_dir: Path, pgdata: Path | None = None) -> int | None:
     """The postmaster's pid when the embedded server under var_dir (or the one on `pgdata`)
     is running, else None."""

@@ -31,7 +31,6 @@ torch is imported only inside HFPolicy (web hosts have no training extra).
 from __future__ import annotations
 
 import json
-import math
 import re
 import statistics
 from collections.abc import Iterable, Sequence
@@ -728,11 +727,3 @@ def group_failures(items: Sequence[FailureItem]) -> list[dict[str, Any]]:
                          "sample": [m.trajectory_id for m in members[:10]]})
     clusters.sort(key=lambda c: (-c["size"], c["signature"], c["agent"], c["tool"]))
     return clusters
-
-
-def finite(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None

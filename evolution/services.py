@@ -999,7 +999,3 @@ def dismiss_proposal(actor: Any, proposal: Proposal, reason: str) -> Proposal:
                  object_id=proposal.pk, payload={"reason_sha256": _digest(reason)})
     proposal.refresh_from_db()
     return proposal
-
-
-def live_candidates_q() -> Q:
-    return Q(status__in=Candidate.LIVE)

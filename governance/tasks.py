@@ -421,22 +421,6 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
     return done
 
 
-def build_one(interaction_id: int, harness_version: str = "",
-              tenant_id: int | None = None) -> tuple[str, int | None]:
-    """Build the step of one interaction. Returns ("built" | "quarantined" | "skipped", tenant
-    id); skipped: not in state captured, or claimed by another worker right now (or unknown).
-    `tenant_id`: the interaction's tenant when the caller knows it (else it is looked up)."""
-    if tenant_id is None:
-        tenant_id = interaction_tenants([interaction_id]).get(interaction_id)
-        if tenant_id is None:
-            return "skipped", None
-    done = build_group(tenant_id, [interaction_id], harness_version, coalesce=False)
-    for outcome in ("built", "quarantined"):
-        if done[outcome]:
-            return outcome, tenant_id
-    return "skipped", None
-
-
 # Queue "capture" comes from CELERY_TASK_ROUTES (the task-level `queue` option is deprecated).
 @shared_task(name="governance.tasks.build_steps",
              autoretry_for=(OperationalError, InterfaceError), max_retries=5,

@@ -98,11 +98,6 @@ def current_scope(using: str = DEFAULT_DB_ALIAS) -> Scope | None:
     return stack[-1] if stack else None
 
 
-def current_tenant_id(using: str = DEFAULT_DB_ALIAS) -> int | None:
-    scope = current_scope(using)
-    return scope.tenant_id if scope is not None else None
-
-
 def _apply(scope: Scope | None, using: str = DEFAULT_DB_ALIAS) -> None:
     """Make the database's transaction-local settings match `scope` (None: no scope)."""
     conn = connections[using]

@@ -128,11 +128,6 @@ def load_version(tenant_id: int, version_id: int) -> DatasetVersion:
                 .get(pk=version_id))
 
 
-def check_version(tenant_id: int, version_id: int) -> str | None:
-    """Why the version may not be trained on now (None: it may)."""
-    return version_refusal(load_version(tenant_id, version_id))
-
-
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]],
                   tools: list[dict[str, Any]] | None) -> list[int]:
     """Token ids of the conversation up to the assistant turn: the tokenizer's chat template

@@ -241,12 +241,6 @@ def parse_chat(body: dict) -> dict:
     return _chat_result(choices, body)
 
 
-def parse_chat_stream(events: list[tuple[str | None, dict]]) -> tuple[dict, dict, dict | None]:
-    """(parsed result, top-level fields, error event or None)."""
-    body, error = reassemble_chat_stream(events)
-    return parse_chat(body), body, error
-
-
 # --- completions -----------------------------------------------------------------------------
 
 def _completions_result(choices: dict[int, dict], toks: dict[int, TokenAccumulator],
@@ -274,12 +268,6 @@ def parse_completions(body: dict) -> dict:
                         else None, "finish_reason": ch.get("finish_reason")}
         toks.setdefault(idx, TokenAccumulator()).absorb_choice(ch)
     return _completions_result(choices, toks, body)
-
-
-def parse_completions_stream(events: list[tuple[str | None, dict]]
-                             ) -> tuple[dict, dict, dict | None]:
-    body, error = reassemble_completions_stream(events)
-    return parse_completions(body), body, error
 
 
 # --- responses -------------------------------------------------------------------------------
