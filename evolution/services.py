@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -181,10 +182,14 @@ def checkpoint_refusal(ckpt: Checkpoint) -> str | None:
     return None
 
 
-def _enqueue_gates(candidate_id: int) -> None:
-    from evolution.tasks import run_gates
+# The Celery tasks that take work out of a transaction, by name. evolution.tasks imports this
+# module (the gates call the services), so this one does not import it back: EvolutionConfig.
+# ready() fills the table with the tasks' `delay`.
+ENQUEUE: dict[str, Callable[[int], Any]] = {}
 
-    run_gates.delay(candidate_id)
+
+def _enqueue_gates(candidate_id: int) -> None:
+    ENQUEUE["run_gates"](candidate_id)
 
 
 @tenant_atomic("tenant")
@@ -539,9 +544,7 @@ PUSH_STALE = timedelta(minutes=15)  # > the 600 s push timeout: the claimant is 
 
 
 def _enqueue_push(candidate_id: int) -> None:
-    from evolution.tasks import push_candidate_weights
-
-    push_candidate_weights.delay(candidate_id)
+    ENQUEUE["push_candidate_weights"](candidate_id)
 
 
 def _finish_promotion(actor: Any, cand: Candidate, reason: str,
