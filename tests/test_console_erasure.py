@@ -86,7 +86,8 @@ def test_file_run_certificate_and_download(client, make_member, tenant, jane, er
 
     assert erase_subject(req.pk, tenant.pk)["status"] == "completed"
     assert not Trajectory.objects.filter(pk=jane.pk).exists()
-    assert pending_erasures_count(tenant) == 0
+    with tenant_context(tenant):
+        assert pending_erasures_count(tenant) == 0
     page = client.get(f"/erasure/{req.pk}/").content.decode()
     assert "Certificate" in page and "clean" in page
     assert 'hx-trigger="every 2s"' not in page  # finished: no more polling
