@@ -142,7 +142,9 @@ class TenantScopedViewSet(viewsets.GenericViewSet):
     def get_queryset(self) -> QuerySet:
         tenant = getattr(self.request, "tenant", None)
         if tenant is None:  # schema generation, or an unauthenticated request being rejected
-            return self.model.objects.none()
+            # Outside any tenant scope the scoped manager refuses to build a queryset; an empty
+            # one from the plain manager reads nothing and tells drf-spectacular the model.
+            return self.model._base_manager.none()
         return self.scope_queryset(self.model.objects.for_tenant(tenant))
 
     def scope_queryset(self, qs: QuerySet) -> QuerySet:
