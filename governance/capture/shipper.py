@@ -128,10 +128,7 @@ class ShipCounts:
 
 
 def retention_days() -> int:
-    value = os.environ.get("STEWARD_RAW_RETENTION_DAYS")
-    if value is None:
-        value = getattr(settings, "STEWARD_RAW_RETENTION_DAYS", 7)
-    return int(value)
+    return settings.STEWARD_RAW_RETENTION_DAYS
 
 
 def default_enqueue(ids: list[int]) -> None:
