@@ -45,6 +45,7 @@ from evolution.models import (
     UpdateKind,
 )
 from governance.audit import record_event
+from governance.capture.conversation import materialize_observations
 from governance.engines import candidate_engine_url
 from governance.models import Agent, DatasetVersion, Membership, Tenant
 from governance.permissions import member_can
@@ -877,10 +878,15 @@ def _failure_items(tenant_id: int, th: ev.Thresholds, since: Any) -> list[ev.Fai
                 .filter(_reward__lt=th.low_reward_threshold)
                 .select_related("agent").order_by("-last_step_at")[:2000])
     steps: dict[str, list[dict[str, Any]]] = {}
-    for s in (Step.objects.filter(trajectory_id__in=[t.pk for t in rows])
-              .order_by("trajectory_id", "started_at")
-              .values("trajectory_id", "status_code", "error", "observation", "action")):
-        steps.setdefault(str(s["trajectory_id"]), []).append(s)
+    found = materialize_observations(list(
+        Step.objects.filter(trajectory_id__in=[t.pk for t in rows])
+        .order_by("trajectory_id", "started_at")
+        .only("trajectory_id", "endpoint", "status_code", "error", "observation_rest", "action",
+              "parent_step", "kept", "appended", "item_refs", "history_digest")))
+    for s in found:
+        steps.setdefault(str(s.trajectory_id), []).append(
+            {"trajectory_id": s.trajectory_id, "status_code": s.status_code, "error": s.error,
+             "observation": s.observation, "action": s.action})
     items = []
     for t in rows:
         sig, tool = ev.trajectory_signature(steps.get(str(t.pk), []))

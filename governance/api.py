@@ -208,11 +208,19 @@ class TrajectoryViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenant
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         return super().list(request, *args, **kwargs)
 
-    @extend_schema(responses={200: OpenApiResponse(
-        response=OpenApiTypes.OBJECT,
-        description="The ATDP v1 trajectory document (JSON Schema: /api/v1/atdp/schema/).")})
+    @extend_schema(parameters=[OpenApiParameter(
+        "form", str, enum=["full", "compact"], required=False,
+        description="`compact`: each step's history as `history` {parent_step, kept, appended} "
+                    "instead of in its observation (the schema's optional compact form); "
+                    "default `full`.")],
+        responses={200: OpenApiResponse(
+            response=OpenApiTypes.OBJECT,
+            description="The ATDP v1 trajectory document (JSON Schema: /api/v1/atdp/schema/).")})
     def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        return Response(trajectory_document(self.get_object()))
+        form = request.query_params.get("form", "full")
+        if form not in ("full", "compact"):
+            raise ValidationError({"form": [f"unknown form {form!r}; use full or compact"]})
+        return Response(trajectory_document(self.get_object(), compact=form == "compact"))
 
     @extend_schema(responses={200: OpenApiResponse(
         response={"type": "array", "items": {"type": "object", "additionalProperties": {}}},

@@ -683,6 +683,8 @@ def _delete_batch(req: ErasureRequest) -> bool:
             ("subject_index", f"DELETE FROM {_table('SubjectIndex')} "
                               "WHERE trajectory_id = ANY(%s::uuid[])"),
             ("steps", f"DELETE FROM {_table('Step')} WHERE trajectory_id = ANY(%s::uuid[])"),
+            ("conversation_items", f"DELETE FROM {_table('ConversationItem')} "
+                                   "WHERE trajectory_id = ANY(%s::uuid[])"),
         ]
         for kind, sql in statements:
             cursor.execute(sql, p)

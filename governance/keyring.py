@@ -35,3 +35,9 @@ def subject_hasher(tenant_id: int) -> Callable[[str], str]:
     """`subject_hash` for one tenant with the key derived once: for hashing many candidates
     (erasure's scan of payloads that were never indexed)."""
     return crypto.subject_hasher(master_key(), tenant_id)
+
+
+def content_hasher(tenant_id: int) -> Callable[[bytes], str]:
+    """Keyed digest of exact content bytes, per tenant (wire.crypto.content_hasher): the
+    conversation store's message addresses."""
+    return crypto.content_hasher(master_key(), tenant_id)

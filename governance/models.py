@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 
 from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 
 # The scoped manager of every tenant model: it filters by the current tenant scope itself.
@@ -239,7 +240,9 @@ class Step(models.Model):
     request_model = models.CharField(max_length=256, blank=True, default="")
     response_model = models.CharField(max_length=256, blank=True, default="")
     response_id = models.CharField(max_length=256, blank=True, default="", db_index=True)
-    observation = models.JSONField(default=dict)  # messages / prompt / input, tools, params
+    # The observation as stored: everything but what the conversation store holds as items
+    # (see below). Read `observation` (the property) for the whole of it.
+    observation_rest = models.JSONField(default=dict, db_column="observation")
     hidden_state = models.JSONField(default=dict)  # reasoning content when returned
     action = models.JSONField(default=dict)  # assistant message(s), tool calls, finish reason
     tokens = models.JSONField(default=dict)  # token ids / logprobs when the upstream returns them
@@ -255,14 +258,100 @@ class Step(models.Model):
     sanitizer_version = models.CharField(max_length=64, blank=True, default="")
     training_eligible = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The conversation store (issue 16, governance/capture/conversation.py): the history the
+    # request sent (`messages` of chat, a list `input` of the Responses API) is not stored in
+    # `observation` but as references to ConversationItem rows — the first `kept` messages of
+    # `parent_step`'s history, then the items `appended` — and the tool schemas and
+    # instructions as items too (`item_refs`). `conversation.observations()` materializes the
+    # full observation on read.
+    # `parent_step` is a plain id, not a foreign key: retention re-roots the children of a
+    # step it purges (conversation.reroot_children) before the delete.
+    parent_step = models.UUIDField(null=True, blank=True)
+    kept = models.PositiveIntegerField(default=0)
+    appended = ArrayField(models.BigIntegerField(), default=list, blank=True)
+    # {"tools": item id, "instructions": item id}: the request's tool schemas and Responses
+    # instructions, when it had them.
+    item_refs = models.JSONField(default=dict, blank=True)
+    # Chained digest of the whole history's item digests (conversation.chain_digests): a later
+    # call finds the step it extends by looking up the chain digests of its own prefixes.
+    history_digest = models.CharField(max_length=64, blank=True, default="")
+    history_length = models.PositiveIntegerField(default=0)
 
     objects = TenantManager()
 
     class Meta:
         indexes = [
+            models.Index(fields=["trajectory", "history_digest"], name="step_traj_history"),
             models.Index(fields=["trajectory", "started_at"], name="step_traj_started"),
             # The overview's capture lag over the last 24 hours.
             models.Index(fields=["tenant", "started_at"], name="step_tenant_started"),
+        ]
+
+    @property
+    def observation(self) -> dict:
+        """What the agent sent (messages / prompt / input, tools, params), whole: for a step of
+        the conversation store materialized from its items on first read (two queries;
+        readers of many steps call conversation.materialize_observations first: two queries
+        for all of them)."""
+        if not self.history_digest and not self.item_refs:
+            return self.observation_rest
+        full = self.__dict__.get("_full_observation")
+        if full is None:
+            from governance.capture.conversation import observations
+            from governance.tenancy import tenant_context
+
+            # The step's own items, read in its own tenant's scope (the step itself was
+            # read in one already).
+            with tenant_context(self.tenant_id):
+                full = observations([self])[self.pk]
+            self.__dict__["_full_observation"] = full
+        return full
+
+    @observation.setter
+    def observation(self, value: dict) -> None:
+        # A step built without the conversation store (tests, tools): stored as it is.
+        self.observation_rest = value
+        self.__dict__.pop("_full_observation", None)
+
+    def set_full_observation(self, value: dict) -> None:
+        """The materialized observation, computed for many steps at once."""
+        self.__dict__["_full_observation"] = value
+
+class ConversationItem(models.Model):
+    """One distinct message of a trajectory's conversation (or its tool schema set, or the
+    Responses API `instructions`), stored once, sanitized: steps reference it (Step.appended,
+    Step.item_refs) instead of storing their whole history again (issue 16).
+
+    `digest` is a keyed hash (keyring.content_digest: HMAC under a per-tenant key, so it says
+    nothing about the content to whoever reads the table) of the item's exact raw JSON, with
+    its kind; `sanitizer_version` includes the policy fingerprint, so a policy change makes new
+    items (sanitized lazily, when a step needs them) instead of reusing old ones. The findings
+    and subject-index rows of an item belong to `first_step`, the step that first carried it.
+    Items migrated from steps built before the store have digests of their sanitized content
+    (prefix `s:`): the raw messages were no longer there to hash."""
+
+    class Kind(models.TextChoices):
+        MESSAGE = "message", "Message"
+        TOOLS = "tools", "Tool schemas"
+        INSTRUCTIONS = "instructions", "Instructions"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
+                               related_name="conversation_items")
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
+                                   related_name="conversation_items")
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.MESSAGE)
+    digest = models.CharField(max_length=66)
+    sanitizer_version = models.CharField(max_length=64)
+    content = models.JSONField()
+    first_step = models.UUIDField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["trajectory", "digest", "sanitizer_version"],
+                                    name="convitem_traj_digest_version"),
         ]
 
 
@@ -280,6 +369,10 @@ class Finding(models.Model):
     step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="findings")
     interaction = models.ForeignKey(Interaction, null=True, blank=True,
                                     on_delete=models.SET_NULL, related_name="findings")
+    # A finding in a history message belongs to that message (found once, when the first step
+    # carrying it was built: `step`); its `path` is the message's path in that step's request.
+    item = models.ForeignKey(ConversationItem, null=True, blank=True,
+                             on_delete=models.CASCADE, related_name="findings")
     side = models.CharField(max_length=8, choices=Side.choices)
     entity_type = models.CharField(max_length=32)
     path = models.CharField(max_length=512)
@@ -318,6 +411,11 @@ class SubjectIndex(models.Model):
                              related_name="subject_index")
     interaction = models.ForeignKey(Interaction, null=True, blank=True,
                                     on_delete=models.CASCADE, related_name="subject_index")
+    # An identifier found in a conversation item (issue 16): the row lives as long as the
+    # item (step and interaction null), not as long as the first step that carried it — later
+    # steps still hold the item after retention purged that one.
+    item = models.ForeignKey("ConversationItem", null=True, blank=True,
+                             on_delete=models.CASCADE, related_name="subject_index")
     entity_type = models.CharField(max_length=32)
     hash = models.CharField(max_length=64)
     created_at = models.DateTimeField(auto_now_add=True)

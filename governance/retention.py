@@ -39,6 +39,7 @@ from django.utils import timezone
 
 from governance.audit import record_event
 from governance.capture.atdp import CLASSIFICATION_ORDER
+from governance.capture.conversation import delete_unreferenced_items, reroot_children
 from governance.models import (
     DeadLetter,
     Interaction,
@@ -148,7 +149,8 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
     from governance.services import invalidate_versions_containing, purge_allowed
 
     counts = {"raw_payloads": 0, "steps": 0, "interactions": 0, "trajectories": 0,
-              "rewards": 0, "invalidated_versions": 0, "dead_letters": 0}
+              "rewards": 0, "invalidated_versions": 0, "dead_letters": 0,
+              "conversation_items": 0}
     default = policies[RetentionPolicy.ANY]
     internal = policies["internal"]
     # One transaction per batch, under the tenant's row-level security scope.
@@ -174,8 +176,12 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
             traj_ids = {t for _, t, _ in step_rows}
             counts["invalidated_versions"] = len(invalidate_versions_containing(
                 ACTOR, tenant_id, traj_ids, "retention: member steps expired"))
-            counts["steps"] = Step.objects.filter(
-                pk__in=[s for s, _, _ in step_rows]).delete()[0]
+            doomed = [s for s, _, _ in step_rows]
+            # The conversation store (issue 16): a remaining step that extends a purged one
+            # takes its whole history itself first; items no step references go after.
+            reroot_children(doomed)
+            counts["steps"] = Step.objects.filter(pk__in=doomed).delete()[0]
+            counts["conversation_items"] = delete_unreferenced_items(traj_ids)
             counts["interactions"] = Interaction.objects.filter(
                 pk__in=[i for _, _, i in step_rows if i is not None]).delete()[0]
             # Keep the summaries true for trajectories that lost only some steps.

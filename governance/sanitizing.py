@@ -34,6 +34,12 @@ from typing import Any
 
 import orjson
 
+from governance.capture.conversation import (
+    History,
+    TrajectoryItems,
+    with_items,
+    without_items,
+)
 from governance.capture.steps import Exchange
 from governance.sanitizer import (
     SANITIZER_VERSION,
@@ -293,15 +299,34 @@ def clear_cache() -> None:
 
 
 @dataclass
+class NewItem:
+    """A conversation item first sanitized for this exchange (governance.models.
+    ConversationItem): its digest, kind, sanitized content, findings (paths in this exchange's
+    request) and identifiers."""
+
+    digest: str
+    kind: str
+    content: Any
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    identifiers: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
 class Sanitized:
     """One exchange after sanitization: the sanitized Exchange, its findings (each with its
     `side`), the identifiers found (entity type, normalized value: for the subject index,
-    hashed by the caller) and the binary parts removed."""
+    hashed by the caller) and the binary parts removed. With a History: the items it was the
+    first to carry (`new_items`; their findings and identifiers are not in `findings` /
+    `identifiers`) and the identifiers of every item it carries (`carried`: an erased subject
+    in a reused message suppresses this step too)."""
 
     exchange: Exchange
     findings: list[dict[str, Any]] = field(default_factory=list)
     identifiers: list[tuple[str, str]] = field(default_factory=list)
     binary_removed: dict[str, int] = field(default_factory=dict)
+    history: History | None = None
+    new_items: list[NewItem] = field(default_factory=list)
+    carried: list[tuple[str, str]] = field(default_factory=list)
 
 
 # The error parts of an exchange, sanitized as one document (side "response": they come from
@@ -309,36 +334,35 @@ class Sanitized:
 _AUX_FIELDS = ("error_body", "error_text", "stream_error")
 
 
-def _items(ex: Exchange) -> tuple[list[tuple[str, Any]], list[str], dict[str, int]]:
+def _copy_stripped(value: Any, side: str, binary: dict[str, int]) -> Any:
+    value = orjson.loads(orjson.dumps(value, default=str))
+    removed = strip_binary(value)
+    if removed:
+        binary[side] = binary.get(side, 0) + len(removed)
+    return value
+
+
+def _items(ex: Exchange, hist: History | None = None
+           ) -> tuple[list[tuple[str, Any]], list[str], dict[str, int]]:
     """(items for sanitize_bodies, what each item is, binary removed per side). Works on
-    copies: the Exchange given is not changed."""
+    copies: the Exchange given is not changed. With a History, the request goes without the
+    parts its items hold (those are sanitized as items, once per trajectory)."""
     items: list[tuple[str, Any]] = []
     roles: list[str] = []
     binary: dict[str, int] = {}
     if ex.request is not None:
-        request = orjson.loads(orjson.dumps(ex.request))
-        removed = strip_binary(request)
-        if removed:
-            binary["request"] = len(removed)
-        items.append(("request", request))
+        request = ex.request if hist is None else without_items(ex.request, hist)
+        items.append(("request", _copy_stripped(request, "request", binary)))
         roles.append("request")
     if ex.response is not None:
-        response = orjson.loads(orjson.dumps(ex.response))
-        removed = strip_binary(response)
-        if removed:
-            binary["response"] = len(removed)
-        items.append(("response", response))
+        items.append(("response", _copy_stripped(ex.response, "response", binary)))
         roles.append("response")
     aux: dict[str, Any] = {k: getattr(ex, k) for k in _AUX_FIELDS if getattr(ex, k) is not None}
     message = (ex.transport_error or {}).get("message")
     if isinstance(message, str) and message:
         aux["error_message"] = message
     if aux:
-        aux = orjson.loads(orjson.dumps(aux, default=str))
-        removed = strip_binary(aux)
-        if removed:
-            binary["response"] = binary.get("response", 0) + len(removed)
-        items.append(("response", aux))
+        items.append(("response", _copy_stripped(aux, "response", binary)))
         roles.append("aux")
     return items, roles, binary
 
@@ -360,23 +384,98 @@ def _rebuild(ex: Exchange, roles: list[str], bodies: list[Any]) -> Exchange:
     return replace(ex, **changes)
 
 
+@dataclass
+class _Pending:
+    """An item to sanitize in this batch: where its body sits in the sanitize_bodies call,
+    the exchange (batch position) that first carries it and how to read its result."""
+
+    position: int
+    owner: int
+    digest: str
+    kind: str
+    prefix: str  # its path in the owner's request ("$.messages[3]")
+    unwrap: str | None  # the key of the wrapper body its content is under, or None
+
+
+def _item_bodies(hist: History, known: TrajectoryItems, pending: dict[str, _Pending],
+                 owner: int, start: int, binary: dict[str, int]
+                 ) -> tuple[list[tuple[str, Any]], list[_Pending]]:
+    """The items of one request not known yet (nor pending for an earlier exchange)."""
+    bodies: list[tuple[str, Any]] = []
+    added: list[_Pending] = []
+
+    def add(digest: str, kind: str, body: Any, prefix: str, unwrap: str | None) -> None:
+        if digest in known.content or digest in pending:
+            return
+        p = _Pending(start + len(bodies), owner, digest, kind, prefix, unwrap)
+        pending[digest] = p
+        added.append(p)
+        bodies.append(("request", _copy_stripped(body, "request", binary)))
+
+    for i, (element, digest) in enumerate(zip(hist.elements, hist.digests, strict=True)):
+        # A message alone is walked exactly as inside `messages` (the walk keys on its own
+        # keys, not on where it sits); its findings' paths are put back under the request's.
+        add(digest, "message", element, f"$.{hist.key}[{i}]", None)
+    if hist.tools_digest:
+        add(hist.tools_digest, "tools", {"tools": hist.tools}, "$", "tools")
+    if hist.instructions_digest:
+        add(hist.instructions_digest, "instructions", {"instructions": hist.instructions},
+            "$", "instructions")
+    return bodies, added
+
+
 def sanitize_exchanges(sanitizer: Sanitizer,
-                       batch: list[tuple[Exchange, PlaceholderState]]) -> list[Sanitized]:
+                       batch: Sequence[tuple[Exchange, PlaceholderState]
+                                       | tuple[Exchange, PlaceholderState, History | None,
+                                               TrajectoryItems | None]]) -> list[Sanitized]:
     """Sanitize every exchange of the batch in ONE sanitize_bodies call (one NER pass over all
     their prose). Each exchange uses the PlaceholderState given with it (its trajectory's: pass
-    the same object for exchanges of the same trajectory, in step order). Raises whatever the
-    sanitizer raises: the caller then isolates the failing exchange (`sanitize_one`)."""
+    the same object for exchanges of the same trajectory, in step order).
+
+    With a History and the trajectory's TrajectoryItems (the conversation store), only the
+    request's items not known yet are sanitized — each once for the batch, owned by the first
+    exchange carrying it — and the request is rebuilt from the known and the new items' sanitized
+    content; `known` gains the new ones. Raises whatever the sanitizer raises: the caller then
+    isolates the failing exchange (`sanitize_one`); `known` is then unchanged."""
     all_items: list[tuple[str, Any]] = []
     all_states: list[PlaceholderState] = []
     layout: list[tuple[list[str], dict[str, int], int]] = []
-    for ex, state in batch:
-        items, roles, binary = _items(ex)
+    pendings: list[tuple[TrajectoryItems, list[_Pending]]] = []
+    pending_by_known: dict[int, dict[str, _Pending]] = {}
+    for pos, entry in enumerate(batch):
+        ex, state = entry[0], entry[1]
+        hist = entry[2] if len(entry) > 2 else None
+        known = entry[3] if len(entry) > 3 else None
+        if hist is not None and known is None:
+            raise ValueError("a History needs its trajectory's TrajectoryItems")
+        items, roles, binary = _items(ex, hist)
         layout.append((roles, binary, len(all_items)))
         all_items.extend(items)
         all_states.extend([state] * len(items))
+        if hist is not None:
+            pending = pending_by_known.setdefault(id(known), {})
+            bodies, added = _item_bodies(hist, known, pending, pos, len(all_items), binary)
+            all_items.extend(bodies)
+            all_states.extend([state] * len(bodies))
+            pendings.append((known, added))
     results = sanitizer.sanitize_bodies(all_items, all_states) if all_items else []
+    new_by_owner: dict[int, list[NewItem]] = {}
+    for known, added in pendings:
+        for p in added:
+            result = results[p.position]
+            content = result.body[p.unwrap] if p.unwrap else result.body
+            findings = [{**f, "side": "request",
+                         "path": p.prefix + str(f.get("path") or "$")[1:]}
+                        for f in result.findings]
+            idents = list(dict.fromkeys(tuple(i) for i in result.identifiers))
+            known.content[p.digest] = content
+            known.identifiers[p.digest] = idents
+            new_by_owner.setdefault(p.owner, []).append(
+                NewItem(p.digest, p.kind, content, findings, idents))
     out: list[Sanitized] = []
-    for (ex, _), (roles, binary, start) in zip(batch, layout, strict=True):
+    for pos, (entry, (roles, binary, start)) in enumerate(zip(batch, layout, strict=True)):
+        ex = entry[0]
+        hist = entry[2] if len(entry) > 2 else None
         mine = results[start:start + len(roles)]
         findings: list[dict[str, Any]] = []
         identifiers: dict[tuple[str, str], None] = {}
@@ -389,13 +488,25 @@ def sanitize_exchanges(sanitizer: Sanitizer,
                 findings.append(f)
             for ident in result.identifiers:
                 identifiers[tuple(ident)] = None
-        out.append(Sanitized(_rebuild(ex, roles, [r.body for r in mine]), findings,
-                             list(identifiers), binary))
+        bodies = [r.body for r in mine]
+        sanitized = Sanitized(_rebuild(ex, roles, bodies), findings, list(identifiers), binary)
+        if hist is not None:
+            known = entry[3]
+            sanitized.history = hist
+            sanitized.new_items = new_by_owner.get(pos, [])
+            sanitized.carried = list(dict.fromkeys(
+                i for d in hist.item_digests() for i in known.identifiers.get(d, ())))
+            if sanitized.exchange.request is not None:
+                sanitized.exchange = replace(sanitized.exchange, request=with_items(
+                    sanitized.exchange.request, hist, known.content))
+        out.append(sanitized)
     return out
 
 
-def sanitize_one(sanitizer: Sanitizer, ex: Exchange, state: PlaceholderState) -> Sanitized:
-    return sanitize_exchanges(sanitizer, [(ex, state)])[0]
+def sanitize_one(sanitizer: Sanitizer, ex: Exchange, state: PlaceholderState,
+                 hist: History | None = None,
+                 known: TrajectoryItems | None = None) -> Sanitized:
+    return sanitize_exchanges(sanitizer, [(ex, state, hist, known)])[0]
 
 
 # --- after the step fields are built -----------------------------------------------------------
@@ -431,7 +542,7 @@ def _drop_tokens(tokens: dict, response: bool, request: bool) -> list[str]:
     return sorted(dropped)
 
 
-def finish_fields(fields: dict, sanitized: Sanitized) -> dict:
+def finish_fields(fields: dict, sanitized: Sanitized, version: str = SANITIZER_VERSION) -> dict:
     """Step fields built from a sanitized exchange -> the fields to store: tokens that would
     spell a replaced value dropped, and the sanitizer's notes in metadata."""
     changed = {"request": False, "response": False}
@@ -447,5 +558,5 @@ def finish_fields(fields: dict, sanitized: Sanitized) -> dict:
             metadata["steward.tokens.dropped"] = dropped
     if sanitized.binary_removed:
         metadata["steward.sanitizer.binary_removed"] = dict(sanitized.binary_removed)
-    metadata["steward.sanitizer.version"] = SANITIZER_VERSION
+    metadata["steward.sanitizer.version"] = version
     return {**fields, "tokens": tokens, "metadata": metadata}

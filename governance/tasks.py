@@ -51,12 +51,27 @@ from django.db import DatabaseError, InterfaceError, OperationalError, transacti
 from django.utils import timezone
 
 from governance.audit import record_event
-from governance.capture.rawstore import RawPayloadUnavailable, decode_body, open_raw
+from governance.capture.conversation import (
+    History,
+    TrajectoryItems,
+    chain_digests,
+    choose_parent,
+    history_of,
+    known_histories,
+    known_items,
+)
+from governance.capture.rawstore import (
+    RawPayloadUnavailable,
+    decode_body,
+    insert_ignore_conflicts,
+    open_raw,
+)
 from governance.capture.steps import CaptureError, Exchange, fields_from_exchange, parse_exchange
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
-from governance.keyring import subject_hash
+from governance.keyring import content_hasher, subject_hash
 from governance.models import (
     Consent,
+    ConversationItem,
     Finding,
     Interaction,
     Step,
@@ -64,8 +79,9 @@ from governance.models import (
     Tenant,
     Trajectory,
 )
-from governance.sanitizer import SANITIZER_VERSION, PlaceholderState
+from governance.sanitizer import PlaceholderState, Sanitizer
 from governance.sanitizing import (
+    NewItem,
     Sanitized,
     finish_fields,
     sanitize_exchanges,
@@ -157,17 +173,20 @@ def _open(ia: Interaction) -> Exchange | str:
         return f"capture failed: {type(exc).__name__}"
 
 
-def _sanitize(tenant: Tenant, batch: list[tuple[Interaction, Exchange]],
-              states: dict[Any, PlaceholderState]
+def _sanitize(sanitizer: Sanitizer, batch: list[tuple[Interaction, Exchange]],
+              states: dict[Any, PlaceholderState], histories: dict[int, History],
+              known: dict[Any, TrajectoryItems]
               ) -> tuple[list[tuple[Interaction, Sanitized]], list[tuple[Interaction, str]]]:
     """One sanitize_bodies call for the batch; if it raises, each exchange alone (from the
-    states as they were), so only the one the sanitizer fails on is quarantined."""
-    sanitizer = sanitizer_for_tenant(tenant)
+    states as they were), so only the one the sanitizer fails on is quarantined. `known`: the
+    trajectories' conversation items (governance/capture/conversation.py) — items in it are
+    reused, the others sanitized and added."""
     # The failed call may have numbered values it never wrote: start again from here.
     snapshot = {tid: st.to_json() for tid, st in states.items()}
     try:
-        results = sanitize_exchanges(sanitizer, [(ex, states[ia.trajectory_id])
-                                                 for ia, ex in batch])
+        results = sanitize_exchanges(sanitizer, [
+            (ex, states[ia.trajectory_id], histories[ia.pk], known[ia.trajectory_id])
+            for ia, ex in batch])
         return [(ia, r) for (ia, _), r in zip(batch, results, strict=True)], []
     except Exception as exc:
         log.error("sanitizer: batch of %d failed (%s); retrying one by one", len(batch),
@@ -180,7 +199,8 @@ def _sanitize(tenant: Tenant, batch: list[tuple[Interaction, Exchange]],
         state = states[ia.trajectory_id]
         before = state.to_json()
         try:
-            ok.append((ia, sanitize_one(sanitizer, ex, state)))
+            ok.append((ia, sanitize_one(sanitizer, ex, state, histories[ia.pk],
+                                        known[ia.trajectory_id])))
         except Exception as exc:
             states[ia.trajectory_id] = PlaceholderState.from_json(before)
             # The class only: an exception message could quote the payload.
@@ -190,49 +210,68 @@ def _sanitize(tenant: Tenant, batch: list[tuple[Interaction, Exchange]],
 
 def _sanitize_unlocked(tenant: Tenant, parsed: list[tuple[Interaction, Exchange]]
                        ) -> tuple[dict[Any, Trajectory], dict[Any, PlaceholderState],
+                                  dict[Any, TrajectoryItems],
                                   list[tuple[Interaction, Sanitized]],
                                   list[tuple[Interaction, str]]]:
-    """Sanitize the batch from its trajectories' placeholder states WITHOUT their row locks,
-    then lock the trajectories (in id order) for the write. The shipper updates trajectory rows
-    (step counts) with every batch it ships: a lock held across the NER pass (seconds) stalled
-    it — and with it every tenant's capture — behind the sanitizer. A trajectory whose state
-    another worker committed meanwhile (two batches of one trajectory in flight at once, rare)
-    is sanitized again, now under its lock, from the committed state, so placeholder numbering
-    never forks. Returns (locked trajectories, their states after the batch, sanitized,
-    failed)."""
+    """Sanitize the batch from its trajectories' placeholder states and stored conversation
+    items WITHOUT their row locks, then lock the trajectories (in id order) for the write. The
+    shipper updates trajectory rows (step counts) with every batch it ships: a lock held across
+    the NER pass (seconds) stalled it — and with it every tenant's capture — behind the
+    sanitizer. A trajectory whose state another worker committed meanwhile (two batches of one
+    trajectory in flight at once, rare) is sanitized again, now under its lock, from the
+    committed state and items, so placeholder numbering never forks. Returns (locked
+    trajectories, their states after the batch, their items, sanitized, failed)."""
     if not parsed:
-        return {}, {}, [], []
+        return {}, {}, {}, [], []
+    sanitizer = sanitizer_for_tenant(tenant)
+    version = sanitizer.policy.version
+    digest = content_hasher(tenant.pk)
+    histories = {ia.pk: history_of(ia.endpoint, ex.request, digest) for ia, ex in parsed}
     ids = {ia.trajectory_id for ia, _ in parsed}
+
+    def items_of(tids: set[Any]) -> dict[Any, TrajectoryItems]:
+        return known_items(tids, {d for ia, _ in parsed if ia.trajectory_id in tids
+                                  for d in histories[ia.pk].item_digests()}, version)
+
     seen = dict(Trajectory.objects.filter(pk__in=ids).values_list("pk", "sanitizer_state"))
     states = {tid: PlaceholderState.from_json(seen.get(tid)) for tid in ids}
-    sanitized, failed = _sanitize(tenant, parsed, states)
+    known = items_of(ids)
+    sanitized, failed = _sanitize(sanitizer, parsed, states, histories, known)
     trajectories = {t.pk: t for t in Trajectory.objects.select_for_update(of=("self",))
                     .filter(pk__in=ids).order_by("pk")}
     stale = {tid for tid, t in trajectories.items()
              if (t.sanitizer_state or {}) != (seen.get(tid) or {})}
     if stale:
-        log.info("sanitizer: %d trajectories changed during the batch; sanitizing their "
-                 "exchanges again from the committed state", len(stale))
+        log.info("sanitizer: tenant %s: %d trajectories changed during the batch; sanitizing "
+                 "their exchanges again from the committed state", tenant.pk, len(stale))
         for tid in stale:
             states[tid] = PlaceholderState.from_json(trajectories[tid].sanitizer_state)
+        known.update(items_of(stale))
         again, again_failed = _sanitize(
-            tenant, [(ia, ex) for ia, ex in parsed if ia.trajectory_id in stale], states)
+            sanitizer, [(ia, ex) for ia, ex in parsed if ia.trajectory_id in stale], states,
+            histories, known)
         sanitized = [(ia, r) for ia, r in sanitized if ia.trajectory_id not in stale] + again
         failed = [(ia, r) for ia, r in failed if ia.trajectory_id not in stale] + again_failed
         order = {ia.pk: i for i, (ia, _) in enumerate(parsed)}
         sanitized.sort(key=lambda pair: order[pair[0].pk])
-    return trajectories, states, sanitized, failed
+    return trajectories, states, known, sanitized, failed
 
 
 @dataclass
 class _StepWrite:
     """The rows one built interaction adds: its step (None when it exists already), findings
-    and subject-index rows."""
+    and subject-index rows — and, for a step of the conversation store, the digests of its
+    whole history (`history`), of what it appends and of its tool schemas / instructions, which
+    `_link_items` turns into item ids once the batch's new items are stored."""
 
     interaction: Interaction
     step: Step | None = None
     findings: list[Finding] = field(default_factory=list)
     index_rows: list[SubjectIndex] = field(default_factory=list)
+    history: list[str] = field(default_factory=list)
+    appended: list[str] = field(default_factory=list)
+    refs: dict[str, str] = field(default_factory=dict)
+    full_history: list[int] = field(default_factory=list)
 
 
 def _write(writes: list[_StepWrite]) -> None:
@@ -251,8 +290,9 @@ def _store_steps(writes: list[_StepWrite]
     its own savepoint, so only the interactions the database refuses are quarantined and their
     neighbours are built. Without this the whole batch rolled back, the beat sweep re-queued
     it every minute, and coalescing dragged the poison interaction into every later batch of
-    the tenant, so none of them was ever built. A lost connection is not the payload's fault:
-    it propagates and the task retries."""
+    the tenant, so none of them was ever built. A step whose parent step was refused keeps its
+    whole history itself. A lost connection is not the payload's fault: it propagates and the
+    task retries."""
     if not writes:
         return [], []
     try:
@@ -266,7 +306,11 @@ def _store_steps(writes: list[_StepWrite]
                   "by one", len(writes), type(exc).__name__)
     stored: list[_StepWrite] = []
     refused: list[tuple[Interaction, str]] = []
+    refused_steps: set[Any] = set()
     for write in writes:
+        step = write.step
+        if step is not None and step.parent_step in refused_steps:
+            step.parent_step, step.kept, step.appended = None, 0, list(write.full_history)
         try:
             with transaction.atomic():
                 _write([write])
@@ -274,11 +318,115 @@ def _store_steps(writes: list[_StepWrite]
         except (OperationalError, InterfaceError):
             raise
         except (DatabaseError, ValueError) as exc:
+            if step is not None:
+                refused_steps.add(step.pk)
             # The class and SQLSTATE only: a database message can quote the value.
             code = getattr(getattr(exc, "__cause__", None), "sqlstate", None) or ""
             refused.append((write.interaction, "step not stored: the database refused it ("
                             f"{type(exc).__name__}{' ' + code if code else ''})"))
     return stored, refused
+
+
+def _plan_history(write: _StepWrite, result: Sanitized, fields: dict,
+                  histories: dict[str, tuple[Any, int]]) -> dict[str, Any]:
+    """The conversation-store columns of one new step (its history as item references, see
+    governance/capture/conversation.py), and the history, tools and instructions taken out of
+    `fields["observation"]`. `histories`: the trajectory's steps by history digest, this
+    batch's included; gains this step."""
+    hist = result.history
+    if hist is None or result.exchange.request is None:
+        return {}
+    obs = fields["observation"]
+    columns: dict[str, Any] = {}
+    if hist.key and hist.digests and hist.key in obs:
+        chains = chain_digests(hist.digests)
+        parent, kept = choose_parent(chains, histories)
+        columns.update(parent_step=parent, kept=kept, history_digest=chains[-1],
+                       history_length=len(chains))
+        write.history = hist.digests
+        write.appended = hist.digests[kept:]
+        histories[chains[-1]] = (write.interaction.step_id, len(chains))
+        obs.pop(hist.key)
+    for name, digest in (("tools", hist.tools_digest),
+                         ("instructions", hist.instructions_digest)):
+        if digest is not None and name in obs:
+            write.refs[name] = digest
+            obs.pop(name)
+    return columns
+
+
+def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, TrajectoryItems],
+                new_items: dict[tuple[Any, str], NewItem], version: str) -> None:
+    """Store the conversation items the batch's steps reference that are not stored yet (one
+    INSERT; an item another worker stored meanwhile is read back, not duplicated), each with
+    its findings and subject-index rows on the first step carrying it; then fill each step's
+    `appended` and `item_refs` with item ids."""
+    rows: dict[tuple[Any, str], ConversationItem] = {}
+    owners: dict[tuple[Any, str], _StepWrite] = {}
+    for w in writes:
+        if w.step is None:
+            continue
+        tid = w.interaction.trajectory_id
+        for digest in [*w.history, *w.refs.values()]:
+            key = (tid, digest)
+            if digest in known[tid].ids or key in rows:
+                continue
+            item = new_items.get(key)
+            rows[key] = ConversationItem(
+                tenant_id=tenant_id, trajectory_id=tid,
+                kind=item.kind if item else ConversationItem.Kind.MESSAGE, digest=digest,
+                sanitizer_version=version, content=known[tid].content[digest],
+                first_step=w.step.pk)
+            owners[key] = w
+    inserted = insert_ignore_conflicts(list(rows.values()), ("id", "trajectory_id", "digest"))
+    for pk, tid, digest in inserted:
+        known[tid].ids[digest] = pk
+    missing = {k for k in rows if k[1] not in known[k[0]].ids}
+    if missing:  # stored by another worker between our read and our insert
+        again = known_items({t for t, _ in missing}, {d for _, d in missing}, version)
+        for tid, items in again.items():
+            known[tid].ids.update(items.ids)
+    ours = {(tid, digest) for _, tid, digest in inserted}
+    for key, w in owners.items():
+        item = new_items.get(key)
+        if item is None or key not in ours:
+            continue
+        item_id = known[key[0]].ids[key[1]]
+        ia = w.interaction
+        w.findings.extend(_finding(ia, f, version, item_id) for f in item.findings)
+        w.index_rows.extend(_index_rows(ia, item.identifiers, item_id))
+    for w in writes:
+        if w.step is None:
+            continue
+        ids = known[w.interaction.trajectory_id].ids
+        w.step.appended = [ids[d] for d in w.appended]
+        w.step.item_refs = {name: ids[d] for name, d in w.refs.items()}
+        w.full_history = [ids[d] for d in w.history]
+
+
+def _finding(ia: Interaction, f: dict[str, Any], version: str,
+             item_id: int | None = None) -> Finding:
+    return Finding(
+        tenant_id=ia.tenant_id, step_id=ia.step_id, interaction=ia, item_id=item_id,
+        side=f["side"], entity_type=f["entity_type"][:32],
+        path=str(f.get("path") or "$")[:512], value_path=str(f.get("value_path") or "")[:512],
+        start=int(f["start"]), end=int(f["end"]), score=float(f["score"]),
+        recognizer=str(f.get("recognizer") or "")[:64],
+        operator=str(f.get("operator") or "")[:16], sanitizer_version=version)
+
+
+def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
+                item_id: int | None = None) -> list[SubjectIndex]:
+    """Subject-index rows of identifiers found in a step — or in a conversation item: bound
+    to the item then, not to the step (see SubjectIndex.item)."""
+    hashes = {(etype, subject_hash(ia.tenant_id, value)) for etype, value in identifiers}
+    if item_id is not None:
+        return [SubjectIndex(tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
+                             item_id=item_id, entity_type=etype[:32], hash=h)
+                for etype, h in sorted(hashes)]
+    return [SubjectIndex(tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
+                         step_id=ia.step_id, interaction=ia, entity_type=etype[:32], hash=h)
+            for etype, h in sorted(hashes)]
 
 
 def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
@@ -326,18 +474,28 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             else:
                 parsed.append((ia, outcome))
 
-        trajectories, states, sanitized, failed = _sanitize_unlocked(tenant, parsed)
+        trajectories, states, known, sanitized, failed = _sanitize_unlocked(tenant, parsed)
         for ia, reason in failed:
             quarantine(ia, reason)
+        version = sanitizer_for_tenant(tenant).policy.version
 
         existing = set(Step.objects.filter(pk__in=[ia.step_id for ia, _ in sanitized])
                        .values_list("pk", flat=True))
-        # Erased subjects (governance/erasure.py): an exchange naming one (header or an
-        # identifier found in it) is kept as metadata only — no step, no raw payload.
+        # Erased subjects (governance/erasure.py): an exchange naming one (header, an
+        # identifier found in it or in a conversation item it carries) is kept as metadata
+        # only — no step, no raw payload.
         ident_hashes = {ia.pk: {ia.subject_hash} | {subject_hash(ia.tenant_id, v)
-                                                    for _, v in r.identifiers}
+                                                    for _, v in r.identifiers + r.carried}
                         for ia, r in sanitized}
         suppressed = suppressed_hashes(tenant_id, set().union(*ident_hashes.values()))
+        # The items first sanitized in this batch, by trajectory and digest (an item whose
+        # first carrier is not stored belongs to the next step that is).
+        new_items = {(ia.trajectory_id, item.digest): item
+                     for ia, r in reversed(sanitized) for item in r.new_items}
+        histories = known_histories(
+            {ia.trajectory_id for ia, _ in sanitized},
+            {c for _, r in sanitized if r.history and r.history.key
+             for c in chain_digests(r.history.digests)})
         # What each built interaction writes; stored together, or one by one when the
         # database refuses the batch (see _store_steps).
         writes: list[_StepWrite] = []
@@ -353,7 +511,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                     t_first_byte=ia.first_byte_at.timestamp() if ia.first_byte_at else None,
                     t_end=ia.ended_at.timestamp() if ia.ended_at else None,
                     harness_version=harness_version)
-                fields = finish_fields(fields, result)
+                fields = finish_fields(fields, result, version)
             except Exception as exc:
                 log.exception("capture: step fields failed on interaction %s", ia.pk)
                 quarantine(ia, f"capture failed: {type(exc).__name__}")
@@ -362,33 +520,22 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             writes.append(write)
             if ia.step_id in existing:
                 continue  # built before under this id (kept as it is: steps are immutable)
+            columns = _plan_history(write, result, fields, histories[ia.trajectory_id])
             write.step = Step(
                 id=ia.step_id, tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
                 interaction=ia, endpoint=ia.endpoint, started_at=ia.started_at,
                 ended_at=ia.ended_at, status_code=ia.status_code,
                 consent=ia.consent, classification="internal", retention_until=None,
-                sanitizer_version=SANITIZER_VERSION,
+                sanitizer_version=version,
                 training_eligible=ia.consent == Consent.TRAIN and fields["error"] is None,
-                **fields,
+                **fields, **columns,
             )
-            for f in result.findings:
-                write.findings.append(Finding(
-                    tenant_id=ia.tenant_id, step_id=ia.step_id, interaction=ia,
-                    side=f["side"], entity_type=f["entity_type"][:32],
-                    path=str(f.get("path") or "$")[:512],
-                    value_path=str(f.get("value_path") or "")[:512],
-                    start=int(f["start"]), end=int(f["end"]), score=float(f["score"]),
-                    recognizer=str(f.get("recognizer") or "")[:64],
-                    operator=str(f.get("operator") or "")[:16],
-                    sanitizer_version=SANITIZER_VERSION))
-            hashes = {(etype, subject_hash(ia.tenant_id, value))
-                      for etype, value in result.identifiers}
-            write.index_rows.extend(SubjectIndex(
-                tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id, step_id=ia.step_id,
-                interaction=ia, entity_type=etype[:32], hash=h) for etype, h in sorted(hashes))
+            write.findings.extend(_finding(ia, f, version) for f in result.findings)
+            write.index_rows.extend(_index_rows(ia, result.identifiers))
             row = _header_row(ia, ia.step_id)
             if row is not None:
                 write.index_rows.append(row)
+        _link_items(tenant_id, writes, known, new_items, version)
 
         stored, refused = _store_steps(writes)
         for ia, reason in refused:
@@ -411,7 +558,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             record_event(ACTOR, "capture.steps_built", tenant=tenant_id,
                          object_type="interaction", object_id=f"{min(ids)}-{max(ids)}",
                          payload={"built": done["built"], "quarantined": done["quarantined"],
-                                  "sanitizer_version": SANITIZER_VERSION,
+                                  "sanitizer_version": version,
                                   "findings": dict(sorted(Counter(
                                       f.entity_type for f in findings).items()))})
     if done["coalesced"]:

@@ -144,8 +144,9 @@ def test_documents_validate_across_endpoints_and_failures(tenant, agent, tmp_pat
     assert counts["inserted"] == len(records)
 
     t = Trajectory.objects.select_related("tenant", "agent").get(pk=traj)
-    with tenant_context(tenant), django_assert_max_num_queries(3):  # steps + finding counts,
-        doc = trajectory_document(t)  # rewards, unbuilt calls
+    # steps + finding counts, their conversation items, rewards, unbuilt calls
+    with tenant_context(tenant), django_assert_max_num_queries(4):
+        doc = trajectory_document(t)
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
 

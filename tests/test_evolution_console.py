@@ -71,7 +71,7 @@ def world(people, tenant, other_tenant):
     failing = []
     for _ in range(3):
         traj = make_trajectory(tenant, agent, steps=1)
-        traj.steps.update(observation={"messages": [
+        traj.steps.update(observation_rest={"messages": [
             {"role": "user", "content": "find 3"},
             {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
                 "name": "lookup", "arguments": '{"id": 3}'}}]},

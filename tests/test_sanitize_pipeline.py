@@ -587,8 +587,8 @@ def test_a_state_committed_during_the_ner_pass_is_not_overwritten(tenant, agent,
     real = tasks._sanitize
     calls: list[int] = []
 
-    def racing(tenant_obj, batch, states):
-        out = real(tenant_obj, batch, states)
+    def racing(sanitizer, batch, states, histories, known):
+        out = real(sanitizer, batch, states, histories, known)
         if not calls:  # another worker built an earlier step of the trajectory meanwhile
             other = PlaceholderState()
             other.label("EMAIL_ADDRESS", "someone.else@example.org", b"k")

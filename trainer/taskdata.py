@@ -40,6 +40,7 @@ from typing import Any
 
 from django.db.models import Q
 
+from governance.capture.conversation import materialize_observations
 from governance.datasets import pinned_rewards
 from governance.models import DatasetVersion, DatasetVersionMember, Reward, Step
 from wire.openai import message_text
@@ -168,6 +169,8 @@ def iter_examples(version: DatasetVersion, *, reference_reward: str = "reference
                                          created_at__lte=version.created_at)
                      .order_by("trajectory_id", "started_at", "id")):
             steps.setdefault(str(step.trajectory_id), []).append(step)
+        # Full observations (the conversation store keeps histories as item references).
+        materialize_observations([s for ss in steps.values() for s in ss])
         response_ids = [s.response_id for ss in steps.values() for s in ss if s.response_id]
         # Only the rewards the version pins (its hash covers them): a label posted after the
         # freeze needs a new version and a new approval.

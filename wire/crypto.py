@@ -91,6 +91,20 @@ def subject_hasher(master: bytes, tenant_id: int) -> Callable[[str], str]:
     return digest
 
 
+def content_hasher(master: bytes, tenant_id: int) -> Callable[[bytes], str]:
+    """The keyed hash of exact content bytes in one tenant (the conversation store's message
+    digests): unlike `subject_hasher`, nothing is normalised — one changed byte is another
+    message. Keyed, so a digest in the database cannot be checked against a guessed text by
+    anyone without the master key."""
+    key = derive_key(master, "content-digest")
+    prefix = f"{tenant_id}:".encode()
+
+    def digest(content: bytes) -> str:
+        return hmac.new(key, prefix + content, hashlib.sha256).hexdigest()
+
+    return digest
+
+
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 

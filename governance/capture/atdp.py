@@ -27,6 +27,11 @@ from pathlib import Path
 from django.db.models import JSONField, Q, QuerySet
 from django.db.models.expressions import RawSQL
 
+from governance.capture.conversation import (
+    HISTORY_KEYS,
+    compact_form,
+    materialize_observations,
+)
 from governance.models import Consent, Interaction, Reward, Step, Trajectory
 
 ATDP_VERSION = "1.0"
@@ -220,15 +225,30 @@ def trajectory_rewards(traj: Trajectory, steps: list[Step] | None = None) -> lis
     return [reward_document(r, by_response) for r in rewards_query(traj, list(by_response))]
 
 
-def trajectory_document(traj: Trajectory) -> dict:
-    """The ATDP v1 document of one trajectory in three queries: steps (with their finding
-    counts), rewards, calls not built (select_related("tenant", "agent") on `traj` saves two
-    more)."""
+def trajectory_document(traj: Trajectory, compact: bool = False) -> dict:
+    """The ATDP v1 document of one trajectory in five queries: steps (with their finding
+    counts), their history items (and the ancestors of steps whose parents lie outside it),
+    rewards, calls not built (select_related("tenant", "agent") on `traj` saves two more).
+
+    `compact`: each step with a stored history (chat `messages`, a Responses `input` list)
+    carries `history` = {"parent_step", "kept", "appended"} instead of that list in its
+    observation — the full history is the parent step's first `kept` messages plus `appended`
+    (the schema's optional compact form). Tools and instructions stay in full."""
     steps = list(with_finding_counts(Step.objects.filter(trajectory=traj))
                  .order_by("started_at", "id"))
+    # Compact form: each step's history as its parent step, the messages kept and those it
+    # appends (conversation.compact_form) — read before the observations are materialized.
+    histories = compact_form(steps) if compact else {}
+    materialize_observations(steps)
     results = action_results(steps)
     step_docs = [step_document(s, i, results[i], s.finding_counts)
                  for i, s in enumerate(steps)]
+    if compact:
+        for doc, s in zip(step_docs, steps, strict=True):
+            if s.pk in histories:
+                key = HISTORY_KEYS[s.endpoint]
+                doc["observation"] = {k: v for k, v in doc["observation"].items() if k != key}
+                doc["history"] = histories[s.pk]
     totals: Counter[str] = Counter()
     for s in steps:
         totals.update(s.finding_counts or {})

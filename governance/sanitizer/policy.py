@@ -8,6 +8,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from governance import recognizers as R
@@ -75,6 +76,17 @@ class Policy:
                    score_threshold=float(data.get("score_threshold", 0.5)),
                    detect_organizations=bool(data.get("detect_organizations", False)),
                    secret=secret)
+
+    @cached_property
+    def version(self) -> str:
+        """SANITIZER_VERSION, plus a fingerprint of the policy when it is not the default one:
+        what a step and a stored conversation item were sanitized with (an item stored under
+        another version is sanitized again, not reused: governance/capture/conversation.py)."""
+        data = self.to_dict()
+        if data == Policy.from_dict({}, secret=b"-").to_dict():
+            return SANITIZER_VERSION
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        return f"{SANITIZER_VERSION}+p.{hashlib.sha256(blob).hexdigest()[:12]}"
 
     def to_dict(self) -> dict[str, Any]:
         """The policy without its secret (safe to store or show)."""

@@ -19,6 +19,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from governance.capture.conversation import materialize_observations
 from governance.datasets import pinned_rewards, review_sample
 from governance.models import (
     DatasetVersion,
@@ -150,9 +151,9 @@ def review_facts(version: DatasetVersion) -> dict[str, Any]:
                                    version.content_hash)
     trajectories = {str(t.pk): t for t in Trajectory.objects.for_tenant(tenant_id)
                     .filter(pk__in=sample_ids).select_related("agent")}
-    first_steps = {str(s.trajectory_id): s for s in
+    first_steps = {str(s.trajectory_id): s for s in materialize_observations(list(
                    steps.filter(trajectory_id__in=sample_ids)
-                   .order_by("trajectory_id", "started_at", "id").distinct("trajectory_id")}
+                   .order_by("trajectory_id", "started_at", "id").distinct("trajectory_id")))}
     finding_counts = dict(findings.filter(step__trajectory_id__in=sample_ids)
                           .values_list("step__trajectory_id").annotate(n=Count("id")))
     sample = []
