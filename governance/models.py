@@ -340,7 +340,7 @@ class ConversationItem(models.Model):
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
                                    related_name="conversation_items")
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.MESSAGE)
-    digest = models.CharField(max_length=66)
+    digest = models.CharField(max_length=72)
     sanitizer_version = models.CharField(max_length=64)
     content = models.JSONField()
     first_step = models.UUIDField(null=True, blank=True)

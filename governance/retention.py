@@ -180,7 +180,9 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
             # The conversation store (issue 16): a remaining step that extends a purged one
             # takes its whole history itself first; items no step references go after.
             reroot_children(doomed)
-            counts["steps"] = Step.objects.filter(pk__in=doomed).delete()[0]
+            # Rows of the model itself: delete()'s total counts the cascaded findings too.
+            counts["steps"] = Step.objects.filter(pk__in=doomed).delete()[1].get(
+                Step._meta.label, 0)
             counts["conversation_items"] = delete_unreferenced_items(traj_ids)
             counts["interactions"] = Interaction.objects.filter(
                 pk__in=[i for _, _, i in step_rows if i is not None]).delete()[0]

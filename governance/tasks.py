@@ -495,7 +495,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         histories = known_histories(
             {ia.trajectory_id for ia, _ in sanitized},
             {c for _, r in sanitized if r.history and r.history.key
-             for c in chain_digests(r.history.digests)})
+             for c in chain_digests(r.history.digests)}, version)
         # What each built interaction writes; stored together, or one by one when the
         # database refuses the batch (see _store_steps).
         writes: list[_StepWrite] = []

@@ -93,6 +93,8 @@ def all_rows_text(trajectory_ids: list[str]) -> str:
                     "WHERE x.trajectory_id::text = ANY(%s)", [ids]),
         stored_text("SELECT row_to_json(t)::text FROM governance_trajectory t "
                     "WHERE t.id::text = ANY(%s)", [ids]),
+        stored_text("SELECT row_to_json(c)::text FROM governance_conversationitem c "
+                    "WHERE c.trajectory_id::text = ANY(%s)", [ids]),
     ])
 
 

@@ -213,17 +213,20 @@ def known_items(trajectory_ids: Iterable[Any], digests: Iterable[str], version: 
     return out
 
 
-def known_histories(trajectory_ids: Iterable[Any], chains: Iterable[str]
+def known_histories(trajectory_ids: Iterable[Any], chains: Iterable[str], version: str
                     ) -> dict[Any, dict[str, tuple[Any, int]]]:
-    """Per trajectory, the stored steps whose history digest is one of `chains`: history
-    digest -> (step id, history length) (the newest step of equal histories)."""
+    """Per trajectory, the stored steps built under sanitizer `version` whose history digest
+    is one of `chains`: history digest -> (step id, history length) (the newest step of equal
+    histories). A step of another version references items of that version: extending it
+    would reuse what the current policy has not sanitized."""
     from governance.models import Step
 
     out: dict[Any, dict[str, tuple[Any, int]]] = {tid: {} for tid in set(trajectory_ids)}
     wanted = set(chains)
     if not out or not wanted:
         return out
-    rows = (Step.objects.filter(trajectory_id__in=list(out), history_digest__in=wanted)
+    rows = (Step.objects.filter(trajectory_id__in=list(out), history_digest__in=wanted,
+                                sanitizer_version=version)
             .order_by("started_at")
             .values_list("trajectory_id", "history_digest", "pk", "history_length"))
     for tid, digest, pk, length in rows:

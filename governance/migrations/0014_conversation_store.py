@@ -46,7 +46,7 @@ class Migration(migrations.Migration):
                         max_length=16,
                     ),
                 ),
-                ("digest", models.CharField(max_length=66)),
+                ("digest", models.CharField(max_length=72)),
                 ("sanitizer_version", models.CharField(max_length=64)),
                 ("content", models.JSONField()),
                 ("first_step", models.UUIDField(blank=True, null=True)),

@@ -63,7 +63,7 @@ def forward(apps, schema_editor) -> None:
         histories: dict = {}
         changed = []
         for step in steps:
-            obs = dict(step.observation or {})
+            obs = dict(step.observation_rest or {})
             version = step.sanitizer_version or ""
             tid = step.trajectory_id
             parts: list[tuple[str, str, object]] = []
@@ -100,9 +100,9 @@ def forward(apps, schema_editor) -> None:
                               if kind != "message"}
             for name in step.item_refs:
                 obs.pop(name)
-            step.observation = obs
+            step.observation_rest = obs
             changed.append(step)
-        Step.objects.bulk_update(changed, ["observation", "parent_step", "kept", "appended",
+        Step.objects.bulk_update(changed, ["observation_rest", "parent_step", "kept", "appended",
                                            "history_digest", "history_length", "item_refs"],
                                  batch_size=500)
 
@@ -127,17 +127,17 @@ def backward(apps, schema_editor) -> None:
         for s in steps:
             if not s.history_digest and not s.item_refs:
                 continue
-            obs = dict(s.observation or {})
+            obs = dict(s.observation_rest or {})
             key = HISTORY_KEYS.get(s.endpoint)
             if s.history_digest and key:
                 obs[key] = [contents[j] for j in full[s.id]]
             for name, j in (s.item_refs or {}).items():
                 obs[name] = contents[j]
-            s.observation = ordered_observation(obs)
+            s.observation_rest = ordered_observation(obs)
             s.parent_step, s.kept, s.appended = None, 0, []
             s.history_digest, s.history_length, s.item_refs = "", 0, {}
             changed.append(s)
-        Step.objects.bulk_update(changed, ["observation", "parent_step", "kept", "appended",
+        Step.objects.bulk_update(changed, ["observation_rest", "parent_step", "kept", "appended",
                                            "history_digest", "history_length", "item_refs"],
                                  batch_size=500)
 

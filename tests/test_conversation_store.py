@@ -1,0 +1,310 @@
+"""The conversation store (issue 16, governance/capture/conversation.py) through the real
+shipper and step builder on PostgreSQL: each distinct message of a trajectory is stored and
+sanitized once, a step names the step it extends and what it appends, and every reader still
+sees exactly what each call sent (sanitized)."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from datetime import timedelta
+
+import orjson
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from governance.capture.atdp import trajectory_document
+from governance.capture.conversation import (
+    Layout,
+    chain_digests,
+    choose_parent,
+    materialize,
+    observations,
+)
+from governance.models import ConversationItem, Finding, Step, SubjectIndex, Tenant, Trajectory
+from governance.retention import purge_tenant
+from governance.sanitizer import SANITIZER_VERSION
+from governance.sanitizer.core import Sanitizer
+from governance.sanitizing import clear_cache
+from governance.tenancy import tenant_context
+from tests.pipeline import chat_response, make_record, ship_and_build
+from tests.test_sanitize_pipeline import all_rows_text
+
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup_order", "description": "Find an order by its number.",
+    "parameters": {"type": "object", "properties": {"order": {"type": "string"}}}}}]
+SYSTEM = {"role": "system", "content": "You are a support agent for an online bookshop."}
+
+
+@pytest.fixture
+def agent(tenant):
+    from governance.services import ensure_agent
+
+    return ensure_agent("system:test", tenant, "store-bot")
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def _call(tenant, agent, traj: str, messages: list, t: float, tools=TOOLS) -> dict:
+    request = {"model": "m", "messages": copy.deepcopy(messages), "temperature": 0.2}
+    if tools is not None:
+        request["tools"] = tools
+    return make_record(tenant.pk, agent.pk, trajectory_id=traj, request=request,
+                       response=chat_response("ok"), t=t)
+
+
+def _steps(traj: str) -> list[Step]:
+    return list(Step.objects.filter(trajectory_id=traj).order_by("started_at", "id"))
+
+
+# --- the pure parts --------------------------------------------------------------------------
+
+def test_parent_is_the_longest_stored_prefix():
+    chains = chain_digests(["a", "b", "c", "d"])
+    assert len(set(chains)) == 4
+    assert chain_digests(["a", "b"]) == chains[:2]  # a prefix's chain is the chain's prefix
+    assert chain_digests(["a", "x"])[1] != chains[1]
+    known = {chains[0]: ("s1", 1), chains[2]: ("s3", 3)}
+    assert choose_parent(chains, known) == ("s3", 3)
+    assert choose_parent(chains[:2], known) == ("s1", 1)
+    assert choose_parent(chain_digests(["z"]), known) == (None, 0)
+
+
+def test_materialize_follows_parents_cut_and_extended():
+    layouts = {"s1": Layout(None, 0, (1, 2)), "s2": Layout("s1", 2, (3, 4)),
+               "s3": Layout("s2", 3, (5,)), "s4": Layout("s1", 1, ())}
+    assert materialize(layouts) == {"s1": [1, 2], "s2": [1, 2, 3, 4], "s3": [1, 2, 3, 5],
+                                    "s4": [1]}
+    # A long chain is no recursion limit.
+    long = {0: Layout(None, 0, (0,))} | {i: Layout(i - 1, i, (i,)) for i in range(1, 3000)}
+    assert materialize(long)[2999] == list(range(3000))
+
+
+# --- through the pipeline --------------------------------------------------------------------
+
+def test_branches_materialize_exactly_what_each_call_sent(tenant, agent, tmp_path):
+    traj = str(uuid.uuid4())
+    t0 = timezone.now().timestamp() - 100
+    u1, a1 = _user("Where is my order 1234?"), _assistant("Let me look that up.")
+    u2, u2_edited = _user("It was a gift."), _user("It was a birthday gift.")
+    a2, u3 = _assistant("It ships tomorrow."), _user("Thanks!")
+    histories = [
+        [SYSTEM, u1],                      # 0
+        [SYSTEM, u1, a1, u2],              # 1 extends 0
+        [SYSTEM, u1, a1, u2_edited],       # 2 an edited last message: a branch off 0
+        [SYSTEM, u1],                      # 3 a retry of 0
+        [SYSTEM, u1, a1],                  # 4 truncated where no step ended
+        [SYSTEM, u1, a1, u2, a2, u3],      # 5 extends 1
+        [SYSTEM, u1, u1],                  # 6 one message twice
+        [],                                # 7 no history at all
+    ]
+    records = [_call(tenant, agent, traj, h, t0 + i) for i, h in enumerate(histories)]
+    records[7] = _call(tenant, agent, traj, [], t0 + 7, tools=None)
+    ship_and_build(tmp_path / "a", records[:3])  # one batch: parents inside it
+    for i, rec in enumerate(records[3:]):  # then one by one: parents from the database
+        ship_and_build(tmp_path / f"b{i}", [rec])
+
+    steps = _steps(traj)
+    assert len(steps) == 8
+    with tenant_context(tenant):
+        full = observations(steps)
+    for step, history in zip(steps, histories, strict=True):
+        assert full[step.pk]["messages"] == history  # nothing here the sanitizer changes
+        assert step.observation["messages"] == history
+    assert full[steps[0].pk]["tools"] == TOOLS and full[steps[0].pk]["params"] == {
+        "temperature": 0.2}
+    assert "tools" not in full[steps[7].pk]
+    by_index = {i: s for i, s in enumerate(steps)}
+    parent = {i: (s.parent_step, s.kept, len(s.appended)) for i, s in by_index.items()}
+    ids = {i: s.pk for i, s in by_index.items()}
+    assert parent[0] == (None, 0, 2)
+    assert parent[1] == (ids[0], 2, 2)
+    assert parent[2] == (ids[0], 2, 2)  # [a1, u2_edited]: a1 referenced, not copied
+    # Equal histories (0 and its retry 3): either may be the parent; the newest is taken.
+    assert parent[3] == (ids[0], 2, 0)
+    assert parent[4] == (ids[3], 2, 1)
+    assert parent[5] == (ids[1], 4, 2)
+    # Stored once each: system, u1, a1, u2, u2 edited, a2, u3 and the tool schemas.
+    assert ConversationItem.objects.filter(trajectory_id=traj).count() == 8
+    assert len({s.item_refs["tools"] for s in steps[:7]}) == 1
+    # Stored rows hold no history: it is in the items (an empty one stays as it was).
+    for step in steps[:7]:
+        assert "messages" not in step.observation_rest
+    assert steps[7].observation_rest["messages"] == [] and not steps[7].history_digest
+
+    # ATDP: the full document and the compact one describe the same histories.
+    with tenant_context(tenant):
+        traj_obj = Trajectory.objects.select_related("tenant", "agent").get(pk=traj)
+        doc = trajectory_document(traj_obj)
+        compact = trajectory_document(traj_obj, compact=True)
+    assert [s["observation"]["messages"] for s in doc["steps"]] == histories
+    rebuilt: dict[str, list] = {}
+    for s in compact["steps"]:
+        if "history" not in s:  # a step with no history keeps it in its observation
+            rebuilt[s["id"]] = s["observation"]["messages"]
+            continue
+        h = s["history"]
+        base = rebuilt[h["parent_step"]][:h["kept"]] if h["parent_step"] else []
+        rebuilt[s["id"]] = base + h["appended"]
+        assert "messages" not in s["observation"]
+    assert [rebuilt[s["id"]] for s in compact["steps"]] == histories
+
+
+def test_each_message_sanitized_once_and_placeholders_hold_across_200_steps(
+        tenant, agent, tmp_path, monkeypatch):
+    traj = str(uuid.uuid4())
+    t0 = timezone.now().timestamp() - 1000
+    sanitized_bytes: list[int] = []
+    real = Sanitizer.sanitize_bodies
+
+    def counting(self, items, state=None):
+        sanitized_bytes.append(sum(len(orjson.dumps(body)) for _, body in items))
+        return real(self, items, state)
+
+    monkeypatch.setattr(Sanitizer, "sanitize_bodies", counting)
+    history = [SYSTEM, _user("My name is Maria Garcia, email maria.garcia@example.com.")]
+    records, new_bytes = [], 0
+    for i in range(200):
+        records.append(_call(tenant, agent, traj, history, t0 + i))
+        reply = _assistant(f"Noted, step {i}.")
+        tool = {"role": "tool", "tool_call_id": f"c{i}", "content":
+                f"Order {1000 + i} for Maria Garcia (maria.garcia@example.com) is packed."}
+        new_bytes += len(orjson.dumps(reply)) + len(orjson.dumps(tool))
+        history = history + [reply, tool]
+    for start in range(0, 200, 50):
+        ship_and_build(tmp_path / f"s{start}", records[start:start + 50])
+    steps = _steps(traj)
+    assert len(steps) == 200
+    # What went through the sanitizer is the new content, not 200 growing histories (those
+    # were ~40 MB of JSON; the new messages are ~30 KB, plus each call's response and params).
+    assert sum(sanitized_bytes) < 3 * new_bytes + 200 * 600, sum(sanitized_bytes)
+    assert ConversationItem.objects.filter(trajectory_id=traj).count() == 2 + 2 * 199 + 1
+    text = all_rows_text([traj]).casefold()
+    assert "maria.garcia@example.com" not in text and "garcia" not in text
+    with tenant_context(tenant):
+        last = observations([steps[-1]])[steps[-1].pk]["messages"]
+    user = last[1]["content"]
+    person = user.split("My name is ")[1].split(",")[0]
+    email = user.split("email ")[1].rstrip(".")
+    assert person.startswith("<PERSON_") and email.startswith("<EMAIL_ADDRESS_")
+    for m in last[3::2]:  # every tool result names the same person by the same placeholders
+        assert person in m["content"] and email in m["content"], m
+    # Findings per message: one set per item, on the step that first carried it.
+    tool_findings = Finding.objects.filter(step__trajectory_id=traj, item__isnull=False)
+    assert tool_findings.values("item_id").distinct().count() >= 200
+    for f in tool_findings.select_related("item"):
+        assert f.step_id == f.item.first_step
+
+
+def test_a_policy_change_resanitizes_lazily_and_says_so(tenant, agent, tmp_path):
+    traj = str(uuid.uuid4())
+    t0 = timezone.now().timestamp() - 100
+    first = [SYSTEM, _user("Write to maria.garcia@example.com please.")]
+    ship_and_build(tmp_path / "a", [_call(tenant, agent, traj, first, t0)])
+    Tenant.objects.filter(pk=tenant.pk).update(
+        sanitizer_policy={"operators": {"EMAIL_ADDRESS": "redact"}})
+    clear_cache()
+    second = first + [_assistant("Done."), _user("Thanks.")]
+    ship_and_build(tmp_path / "b", [_call(tenant, agent, traj, second, t0 + 1)])
+    s1, s2 = _steps(traj)
+    assert s1.sanitizer_version == SANITIZER_VERSION
+    assert s2.sanitizer_version.startswith(SANITIZER_VERSION + "+p.")
+    with tenant_context(tenant):
+        full = observations([s1, s2])
+    assert "<EMAIL_ADDRESS_1>" in full[s1.pk]["messages"][1]["content"]
+    assert "<EMAIL_ADDRESS_1>" not in full[s2.pk]["messages"][1]["content"]
+    assert "maria.garcia" not in full[s2.pk]["messages"][1]["content"]
+    # The old items stay for the old step; the new step's history was sanitized again.
+    versions = set(ConversationItem.objects.filter(trajectory_id=traj)
+                   .values_list("sanitizer_version", flat=True))
+    assert versions == {s1.sanitizer_version, s2.sanitizer_version}
+    assert s2.parent_step is None  # nothing stored under its policy to extend
+
+
+def test_retention_keeps_later_steps_whole_and_drops_what_no_step_holds(
+        tenant, agent, tmp_path):
+    traj = str(uuid.uuid4())
+    t0 = timezone.now().timestamp() - 100
+    history = [SYSTEM]
+    records = []
+    for i in range(5):
+        history = history + [_user(f"Question {i} from maria.garcia@example.com"),
+                             _assistant(f"Answer {i}")]
+        records.append(_call(tenant, agent, traj, history, t0 + i))
+    ship_and_build(tmp_path / "a", records)
+    steps = _steps(traj)
+    with tenant_context(tenant):
+        before = observations(steps)
+    # The first two calls are past the steps retention.
+    Step.objects.filter(pk__in=[s.pk for s in steps[:2]]).update(
+        started_at=timezone.now() - timedelta(days=400))
+    items_before = ConversationItem.objects.filter(trajectory_id=traj).count()
+    totals = purge_tenant(tenant.pk)
+    assert totals["steps"] == 2
+    remaining = _steps(traj)
+    assert [s.pk for s in remaining] == [s.pk for s in steps[2:]]
+    with tenant_context(tenant):
+        after = observations(remaining)
+    for s in remaining:
+        assert after[s.pk] == before[s.pk]
+    assert remaining[0].parent_step is None  # re-rooted: it holds its whole history now
+    # Every item is still referenced by a remaining step (this session only grows), so none
+    # went; a step that alone held an item takes it with it:
+    assert ConversationItem.objects.filter(trajectory_id=traj).count() == items_before
+    lone = make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + 10, request={
+        "model": "m", "messages": [_user("a one-off about nothing else")]},
+        response=chat_response("ok"))
+    ship_and_build(tmp_path / "b", [lone])
+    Step.objects.filter(pk=lone["step_id"]).update(
+        started_at=timezone.now() - timedelta(days=400))
+    purge_tenant(tenant.pk)
+    assert ConversationItem.objects.filter(trajectory_id=traj).count() == items_before
+    # Subject-index rows of an item live with the item, not with its first step.
+    assert SubjectIndex.objects.filter(trajectory_id=traj, item__isnull=False).exists()
+
+
+def test_migration_round_trip_on_steps_built_the_old_way(tenant, agent, transactional_db):
+    """Steps stored whole (the layout before the store) are moved into items by migration
+    0015 and materialize to the same observations; migrating back restores the columns."""
+    from django.core.management import call_command
+
+    traj = Trajectory.objects.create(tenant=tenant, agent=agent, started_at=timezone.now(),
+                                     last_step_at=timezone.now())
+    history = [SYSTEM, _user("Hello")]
+    stored = []
+    for i in range(4):
+        obs = {"messages": copy.deepcopy(history), "tools": TOOLS, "params": {"n": 1}}
+        stored.append(Step.objects.create(
+            id=uuid.uuid4(), tenant=tenant, trajectory=traj, endpoint="chat.completions",
+            started_at=timezone.now() + timedelta(seconds=i), observation=obs,
+            sanitizer_version=SANITIZER_VERSION))
+        history = history + [_assistant(f"a{i}"), _user(f"u{i}")]
+    expected = {s.pk: s.observation_rest for s in stored}
+    call_command("migrate", "governance", "0014", verbosity=0)
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM governance_step WHERE history_digest <> ''")
+        assert cur.fetchone()[0] == 0
+    call_command("migrate", "governance", verbosity=0)
+    steps = list(Step.objects.filter(trajectory=traj).order_by("started_at"))
+    assert all(s.history_digest for s in steps)
+    assert all("messages" not in s.observation_rest for s in steps)
+    with tenant_context(tenant):
+        full = observations(steps)
+    assert {pk: obs for pk, obs in full.items()} == expected
+    assert steps[1].parent_step == steps[0].pk and steps[1].kept == 2
+    assert ConversationItem.objects.filter(trajectory=traj).count() == 2 + 2 * 3 + 1
+    call_command("migrate", "governance", "0014", verbosity=0)
+    with connection.cursor() as cur:
+        cur.execute("SELECT id, observation FROM governance_step WHERE trajectory_id = %s",
+                    [traj.pk])
+        back = {row[0]: orjson.loads(row[1]) if isinstance(row[1], str) else row[1]
+                for row in cur.fetchall()}
+    assert back == expected
+    call_command("migrate", "governance", verbosity=0)
