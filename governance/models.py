@@ -210,6 +210,9 @@ class Interaction(models.Model):
     data_key = models.ForeignKey(DataKey, null=True, on_delete=models.SET_NULL,
                                  related_name="interactions")
     raw_ciphertext = models.BinaryField(null=True)
+    # The flow whose request body this payload's is a delta of (capture/rawstore.py: the
+    # previous call of the trajectory under the same data key); "" for a whole payload.
+    raw_base_flow = models.CharField(max_length=64, blank=True, default="", db_index=True)
     raw_expires_at = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.CAPTURED,
                              db_index=True)

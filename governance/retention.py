@@ -40,6 +40,7 @@ from django.utils import timezone
 from governance.audit import record_event
 from governance.capture.atdp import CLASSIFICATION_ORDER
 from governance.capture.conversation import delete_unreferenced_items, reroot_children
+from governance.capture.rawstore import rebase_dependents
 from governance.models import (
     DeadLetter,
     Interaction,
@@ -164,8 +165,11 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
                        .filter(raw_ciphertext__isnull=False).filter(raw_q)
                        .order_by("started_at").values_list("pk", flat=True)[:batch_size])
         if raw_ids:
+            # A later payload stored as a delta of one of these is sealed whole first.
+            rebase_dependents(list(Interaction.objects.filter(pk__in=raw_ids)
+                                   .values_list("flow_id", flat=True)))
             counts["raw_payloads"] = Interaction.objects.filter(pk__in=raw_ids).update(
-                raw_ciphertext=None)
+                raw_ciphertext=None, raw_base_flow="")
 
         step_rows = list(Step.objects.for_tenant(tenant_id)
                          .filter(_expired(policies, now, "steps_days", "started_at",
@@ -184,8 +188,10 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
             counts["steps"] = Step.objects.filter(pk__in=doomed).delete()[1].get(
                 Step._meta.label, 0)
             counts["conversation_items"] = delete_unreferenced_items(traj_ids)
-            counts["interactions"] = Interaction.objects.filter(
-                pk__in=[i for _, _, i in step_rows if i is not None]).delete()[0]
+            gone = Interaction.objects.filter(
+                pk__in=[i for _, _, i in step_rows if i is not None])
+            rebase_dependents(list(gone.values_list("flow_id", flat=True)))
+            counts["interactions"] = gone.delete()[1].get(Interaction._meta.label, 0)
             # Keep the summaries true for trajectories that lost only some steps.
             remaining = (Step.objects.filter(trajectory_id=OuterRef("pk")).order_by()
                          .values("trajectory_id").annotate(n=Count("pk")).values("n"))
@@ -199,7 +205,9 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
                                   started_at__lt=now - timedelta(days=internal.steps_days))
                           .order_by("started_at").values_list("pk", flat=True)[:batch_size])
         if orphan_ids:
-            counts["interactions"] += Interaction.objects.filter(pk__in=orphan_ids).delete()[0]
+            gone = Interaction.objects.filter(pk__in=orphan_ids)
+            rebase_dependents(list(gone.values_list("flow_id", flat=True)))
+            counts["interactions"] += gone.delete()[1].get(Interaction._meta.label, 0)
 
         # Dead letters (records the shipper could not store, capture/shipper.py): their sealed
         # record goes when a raw payload would, the row with the unlabelled interactions.

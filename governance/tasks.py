@@ -65,6 +65,7 @@ from governance.capture.rawstore import (
     decode_body,
     insert_ignore_conflicts,
     open_raw,
+    rebase_dependents,
 )
 from governance.capture.steps import CaptureError, Exchange, fields_from_exchange, parse_exchange
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
@@ -149,10 +150,11 @@ def _header_row(ia: Interaction, step_id: Any) -> SubjectIndex | None:
                         entity_type=SubjectIndex.SUBJECT_HEADER, hash=ia.subject_hash)
 
 
-def _open(ia: Interaction) -> Exchange | str:
-    """The parsed exchange, or the reason to quarantine the interaction."""
+def _open(ia: Interaction, bodies: dict[str, bytes] | None = None) -> Exchange | str:
+    """The parsed exchange, or the reason to quarantine the interaction. `bodies`: the
+    batch's request bodies by flow id (a delta's base is decrypted once, rawstore.open_raw)."""
     try:
-        raw = open_raw(ia)
+        raw = open_raw(ia, bodies)
         request_body = decode_body(raw.get("request_body")) or b""
         response_body = decode_body(raw.get("response_body"))
     except RawPayloadUnavailable as exc:
@@ -467,8 +469,9 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 index_rows.append(row)
 
         parsed: list[tuple[Interaction, Exchange]] = []
+        bodies: dict[str, bytes] = {}
         for ia in claimed:
-            outcome = _open(ia)
+            outcome = _open(ia, bodies)
             if isinstance(outcome, str):
                 quarantine(ia, outcome, index=not outcome.startswith("raw payload"))
             else:
@@ -502,6 +505,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         for ia, result in sanitized:
             if ident_hashes[ia.pk] & suppressed:
                 quarantine(ia, SUPPRESSED_REASON, index=False)
+                rebase_dependents([ia.flow_id])
                 Interaction.objects.filter(pk=ia.pk).update(
                     raw_ciphertext=None, data_key=None, raw_expires_at=None)
                 continue

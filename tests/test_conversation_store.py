@@ -308,3 +308,42 @@ def test_migration_round_trip_on_steps_built_the_old_way(tenant, agent, transact
                 for row in cur.fetchall()}
     assert back == expected
     call_command("migrate", "governance", verbosity=0)
+
+
+def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, agent, tmp_path):
+    from governance.capture.rawstore import DELTA_CHAIN_MAX, decode_body, open_raw
+    from governance.models import Interaction
+
+    traj = str(uuid.uuid4())
+    t0 = timezone.now().timestamp() - 100
+    history = [SYSTEM]
+    records = []
+    for i in range(40):
+        history = history + [_user(f"Question {i}: " + "lorem ipsum " * 40),
+                             _assistant(f"Answer {i}")]
+        records.append(_call(tenant, agent, traj, history, t0 + i))
+    ship_and_build(tmp_path / "a", records[:25])
+    ship_and_build(tmp_path / "b", records[25:])
+    sent = {r["flow_id"]: decode_body(r["request_body"]) for r in records}
+    rows = list(Interaction.objects.filter(trajectory_id=traj).select_related("data_key")
+                .order_by("started_at"))
+    assert all(r.state == "processed" for r in rows)
+    with tenant_context(tenant):
+        for row in rows:  # each opened alone: its base chain from the database
+            assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
+    deltas = [r for r in rows if r.raw_base_flow]
+    assert len(deltas) >= 40 - 2 - 40 // DELTA_CHAIN_MAX - 1  # each batch starts whole
+    stored = sum(len(bytes(r.raw_ciphertext)) for r in rows)
+    whole = sum(len(b) for b in sent.values())
+    assert stored < whole / 4, (stored, whole)
+    # Retention destroys the first ten payloads: the ones built on them are sealed whole
+    # first, and every remaining one still opens to exactly what was sent.
+    Interaction.objects.filter(pk__in=[r.pk for r in rows[:10]]).update(
+        raw_expires_at=timezone.now() - timedelta(minutes=1))
+    assert purge_tenant(tenant.pk)["raw_payloads"] == 10
+    left = list(Interaction.objects.filter(trajectory_id=traj, raw_ciphertext__isnull=False)
+                .select_related("data_key").order_by("started_at"))
+    assert len(left) == 30 and not left[0].raw_base_flow
+    with tenant_context(tenant):
+        for row in left:
+            assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]

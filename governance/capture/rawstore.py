@@ -14,6 +14,7 @@ headers, and the bodies as base64 of the exact bytes.
 from __future__ import annotations
 
 import base64
+import hashlib
 from typing import Any
 
 import orjson
@@ -45,15 +46,84 @@ def raw_aad(flow_id: str) -> bytes:
     return f"steward-raw-v1:{flow_id}".encode()
 
 
-def raw_plaintext(record: dict[str, Any]) -> bytes:
-    """The exchange part of a spool record (no routing metadata), as JSON bytes."""
-    return orjson.dumps({"v": 1, **{k: record.get(k) for k in RAW_FIELDS}})
+def raw_plaintext(record: dict[str, Any], delta: dict[str, Any] | None = None) -> bytes:
+    """The exchange part of a spool record (no routing metadata), as JSON bytes. With a
+    `delta` (request_delta), the request body is stored as that delta against the body of
+    the interaction `delta["base"]` names (format 2)."""
+    if delta is None:
+        return orjson.dumps({"v": 1, **{k: record.get(k) for k in RAW_FIELDS}})
+    fields = {k: record.get(k) for k in RAW_FIELDS if k != "request_body"}
+    return orjson.dumps({"v": 2, **fields, "request_delta": delta})
 
 
-def decode_body(value: str | None) -> bytes | None:
+def decode_body(value: str | bytes | None) -> bytes | None:
     if value is None:
         return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
     return base64.b64decode(value, validate=True)
+
+
+# --- request bodies as deltas (issue 16) ------------------------------------------------------
+#
+# An agent resends its whole conversation with every call, so the raw request of a session's
+# n-th call is the (n-1)-th one with a few messages inserted before its closing `]` (and the
+# tools, params after it). Each raw request is kept as its delta against the previous one of
+# the trajectory sealed under the same data key: the common prefix and suffix lengths and the
+# bytes between, with the whole body's SHA-256 to check the rebuild. Every DELTA_CHAIN_MAX-th
+# one is a full copy, so opening one costs at most that many decryptions. Crypto-shredding is
+# unchanged (a delta and its base share the data key); retention and suppression re-seal the
+# dependents of a payload whole before they destroy it (`rebase_dependents`).
+
+DELTA_CHAIN_MAX = 16
+# A delta is kept only when it is at most this share of the whole body.
+DELTA_MAX_SHARE = 0.5
+
+
+def _common_prefix(a: memoryview, b: memoryview, limit: int) -> int:
+    """Length of the longest common prefix (binary search over C-level slice compares)."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def request_delta(base: bytes, body: bytes) -> dict[str, Any] | None:
+    """`body` as {prefix, suffix, middle (base64), sha256} against `base`, or None when that
+    saves less than half of it (a different conversation, a short body)."""
+    a, b = memoryview(base), memoryview(body)
+    limit = min(len(a), len(b))
+    prefix = _common_prefix(a, b, limit)
+    rest = limit - prefix
+    lo, hi = 0, rest
+    while lo < hi:  # the longest common suffix not overlapping the prefix
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid:] == b[len(b) - mid:]:
+            lo = mid
+        else:
+            hi = mid - 1
+    suffix = lo
+    middle = body[prefix:len(body) - suffix]
+    if len(middle) > DELTA_MAX_SHARE * len(body):
+        return None
+    return {"prefix": prefix, "suffix": suffix,
+            "middle": base64.b64encode(middle).decode("ascii"),
+            "sha256": hashlib.sha256(body).hexdigest()}
+
+
+def apply_delta(base: bytes, delta: dict[str, Any]) -> bytes:
+    prefix, suffix = int(delta["prefix"]), int(delta["suffix"])
+    if prefix + suffix > len(base):
+        raise ValueError("request delta does not fit its base")
+    body = (base[:prefix] + base64.b64decode(delta["middle"], validate=True)
+            + (base[len(base) - suffix:] if suffix else b""))
+    if hashlib.sha256(body).hexdigest() != delta.get("sha256"):
+        raise ValueError("request delta does not rebuild the body it was made from")
+    return body
 
 
 def data_keys_for(pairs: set[tuple[int, str]]) -> dict[tuple[int, str], DataKey]:
@@ -117,17 +187,61 @@ def open_dead_letter(dead_letter: Any) -> dict[str, Any]:
                                     dead_letter_aad(dead_letter.tenant_id, dead_letter.flow_id)))
 
 
-def open_raw(interaction: Interaction) -> dict[str, Any]:
-    """Decrypt an interaction's raw payload. Callers that show it to a person must audit the
-    read (governance.audit.record_event "raw.read"); the step builder reads it as the system."""
+def open_raw(interaction: Interaction, bodies: dict[str, bytes] | None = None
+             ) -> dict[str, Any]:
+    """Decrypt an interaction's raw payload, its request body rebuilt when it is stored as a
+    delta (format 2, always returned as format 1: `request_body` base64). `bodies`: request
+    bodies already rebuilt, by flow id (a batch opening a session's calls passes one dict, so
+    each base is decrypted once). Callers that show it to a person must audit the read
+    (governance.audit.record_event "raw.read"); the step builder reads it as the system."""
     if interaction.raw_ciphertext is None:
         raise RawPayloadUnavailable("no raw payload stored (expired or purged)")
     key = interaction.data_key
     if key is None:
         raise RawPayloadUnavailable("the data key is gone (subject erased)")
     plain_key = unwrap(key)
-    return orjson.loads(open_sealed(plain_key, bytes(interaction.raw_ciphertext),
-                                    raw_aad(interaction.flow_id)))
+    raw = orjson.loads(open_sealed(plain_key, bytes(interaction.raw_ciphertext),
+                                   raw_aad(interaction.flow_id)))
+    delta = raw.pop("request_delta", None)
+    if delta is None:
+        if bodies is not None:
+            bodies[interaction.flow_id] = decode_body(raw.get("request_body")) or b""
+        return raw
+    bodies = {} if bodies is None else bodies
+    base_flow = str(delta.get("base") or "")
+    base_body = bodies.get(base_flow)
+    if base_body is None:
+        base = (Interaction.objects.filter(flow_id=base_flow).select_related("data_key")
+                .first())
+        if base is None:
+            raise RawPayloadUnavailable(f"the base payload of this delta ({base_flow}) is gone")
+        open_raw(base, bodies)
+        base_body = bodies[base_flow]
+    body = apply_delta(base_body, delta)
+    bodies[interaction.flow_id] = body
+    raw["v"] = 1
+    raw["request_body"] = base64.b64encode(body).decode("ascii")
+    return raw
+
+
+def rebase_dependents(flow_ids: list[str]) -> int:
+    """Before the payloads of these flows are destroyed or their rows deleted: every live
+    payload stored as a delta against one of them is sealed whole again (its data key, its
+    flow id as associated data, as the shipper does). Returns how many."""
+    doomed = set(flow_ids)
+    if not doomed:
+        return 0
+    dependents = list(Interaction.objects.filter(raw_base_flow__in=doomed,
+                                                 raw_ciphertext__isnull=False)
+                      .exclude(flow_id__in=doomed).select_related("data_key"))
+    bodies: dict[str, bytes] = {}
+    for ia in dependents:
+        raw = open_raw(ia, bodies)
+        ia.raw_ciphertext = seal_raw(unwrap(ia.data_key), ia.flow_id, orjson.dumps(raw))
+        ia.raw_base_flow = ""
+    Interaction.objects.bulk_update(dependents, ["raw_ciphertext", "raw_base_flow"],
+                                    batch_size=200)
+    return len(dependents)
 
 
 def insert_ignore_conflicts(objs: list, returning: tuple[str, ...]) -> list[tuple]:

@@ -44,7 +44,7 @@ import os
 import socket
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
@@ -66,11 +66,13 @@ from django.utils import timezone
 
 from governance.audit import record_event
 from governance.capture.rawstore import (
+    DELTA_CHAIN_MAX,
     data_keys_for,
     decode_body,
     insert_ignore_conflicts,
     key_is_destroyed,
     raw_plaintext,
+    request_delta,
     seal_dead_letter,
     seal_raw,
     unwrap,
@@ -191,6 +193,63 @@ class _Prepared:
     problems: list[str]
 
 
+@dataclass
+class RawBase:
+    """The last raw request body stored for a trajectory: what the next one is a delta of."""
+
+    flow_id: str
+    body: bytes
+    depth: int  # deltas since the last whole copy
+    data_key_id: int
+
+
+class RawBases:
+    """Per trajectory, the last request body the shipper stored, kept in memory (at most
+    MAX_BYTES of bodies, least recently used dropped first): the next call's body is sealed
+    as a delta against it (capture/rawstore.py). After a restart or an eviction the next body
+    is stored whole — the chain starts again, nothing is read back from the database."""
+
+    MAX_BYTES = 64 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._bases: OrderedDict[uuid.UUID, RawBase] = OrderedDict()
+        self._bytes = 0
+
+    def delta(self, p: _Prepared, data_key_id: int, pending: dict[uuid.UUID, RawBase]
+              ) -> dict[str, Any] | None:
+        """The delta of this record's request body (None: store it whole); notes the body as
+        the trajectory's next base in `pending`."""
+        try:
+            body = decode_body(p.record.get("request_body")) or b""
+        except (ValueError, TypeError):  # not base64: stored whole, as the proxy spooled it
+            pending.pop(p.trajectory_id, None)
+            return None
+        base = pending.get(p.trajectory_id) or self._bases.get(p.trajectory_id)
+        delta = None
+        if base is not None and base.data_key_id == data_key_id \
+                and base.depth + 1 < DELTA_CHAIN_MAX and body:
+            delta = request_delta(base.body, body)
+            if delta is not None:
+                delta["base"] = base.flow_id
+        pending[p.trajectory_id] = RawBase(p.flow_id, body,
+                                           base.depth + 1 if delta is not None else 0,
+                                           data_key_id)
+        return delta
+
+    def commit(self, pending: dict[uuid.UUID, RawBase], lost: set[str]) -> None:
+        for tid, base in pending.items():
+            old = self._bases.pop(tid, None)
+            if old is not None:
+                self._bytes -= len(old.body)
+            if base.flow_id in lost:
+                continue
+            self._bases[tid] = base
+            self._bytes += len(base.body)
+        while self._bytes > self.MAX_BYTES and self._bases:
+            _, dropped = self._bases.popitem(last=False)
+            self._bytes -= len(dropped.body)
+
+
 class Shipper:
     def __init__(self, spool_dir: Path | str | None = None, master_key: bytes | None = None,
                  enqueue: Enqueue | None = default_enqueue, max_records: int = 500) -> None:
@@ -203,6 +262,21 @@ class Shipper:
         # How erasure names this spool (governance/erasure.py reads SpoolState).
         self.spool_name = f"{socket.gethostname()}:{self.spool_dir.resolve()}"[:512]
         self._last_state: tuple[list[str] | None, float] = (None, 0.0)
+        self._bases = RawBases()
+
+    def _seal_whole_if_base_lost(self, rows: list[Interaction], storable: list[_Prepared],
+                                 lost: set[str], plain_keys: dict[tuple[int, str], bytes]
+                                 ) -> None:
+        """A payload stored as a delta of a flow that was not stored after all (dead-lettered
+        for a colliding step id): sealed whole instead (rare; one UPDATE each)."""
+        if not lost:
+            return
+        for row, p in zip(rows, storable, strict=True):
+            if row.raw_base_flow in lost and row.flow_id not in lost:
+                ciphertext = seal_raw(plain_keys[(p.tenant_id, p.subject_hash)], p.flow_id,
+                                      raw_plaintext(p.record))
+                Interaction.objects.filter(flow_id=p.flow_id).update(
+                    raw_ciphertext=ciphertext, raw_base_flow="")
 
     # -- one pass over the spool ---------------------------------------------------------
     def ship_once(self) -> ShipCounts:
@@ -510,6 +584,10 @@ class Shipper:
         plain_keys: dict[tuple[int, str], bytes] = {}
         expires = timezone.now() + timedelta(days=retention_days())
         rows: list[Interaction] = []
+        # Request bodies as deltas against the trajectory's previous call (RawBases); what
+        # this batch adds to the bases is kept only once the transaction commits.
+        pending: dict[uuid.UUID, RawBase] = {}
+        base_flows: dict[str, str] = {}
         for p in storable:
             rec = p.record
             key = keys.get((p.tenant_id, p.subject_hash))
@@ -528,8 +606,11 @@ class Shipper:
             else:
                 if (p.tenant_id, p.subject_hash) not in plain_keys:
                     plain_keys[(p.tenant_id, p.subject_hash)] = unwrap(key)
+                delta = self._bases.delta(p, key.pk, pending)
+                if delta is not None:
+                    base_flows[p.flow_id] = delta["base"]
                 ciphertext = seal_raw(plain_keys[(p.tenant_id, p.subject_hash)], p.flow_id,
-                                      raw_plaintext(rec))
+                                      raw_plaintext(rec, delta))
             if p.problems:
                 state = Interaction.State.QUARANTINED
             err = rec.get("error") if isinstance(rec.get("error"), dict) else {}
@@ -551,6 +632,7 @@ class Shipper:
                 started_at=p.started_at, first_byte_at=_epoch(rec.get("t_first_byte")),
                 ended_at=_epoch(rec.get("t_end")),
                 data_key=key, raw_ciphertext=ciphertext,
+                raw_base_flow=base_flows.get(p.flow_id, ""),
                 raw_expires_at=expires if ciphertext is not None else None,
                 state=state, state_reason=storable_text(reason),
                 proxy_instance=storable_text(rec.get("proxy_instance") or "", 128),
@@ -569,6 +651,11 @@ class Shipper:
                              "record": p.record, TO_TABLE: True})
                 log.error("shipper: dead-lettered flow %s (tenant %s): step id %s collides",
                           row.flow_id, row.tenant_id, row.step_id)
+
+        lost = {r.flow_id for r in rows if r.flow_id not in inserted_flows
+                and r.flow_id not in existing}
+        self._seal_whole_if_base_lost(rows, storable, lost, plain_keys)
+        transaction.on_commit(lambda: self._bases.commit(pending, lost))
 
         # Counters for the rows really inserted in this transaction only.
         by_flow = {p.flow_id: p for p in storable}
