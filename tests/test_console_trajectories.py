@@ -372,14 +372,14 @@ def conversation(tenant, agents):
     tool = {"role": "tool", "tool_call_id": "call_1",
             "content": "balance 12 EUR for <PERSON_1> & co"}
     Step.objects.filter(pk=first.pk).update(
-        observation={"messages": [system, user], "tools": [{"type": "function"}]},
+        observation_rest={"messages": [system, user], "tools": [{"type": "function"}]},
         action={"messages": [call], "finish_reason": "tool_calls"},
         versions={"gen_ai.request.model": "gpt-x", "gen_ai.response.model": "gpt-x-0601",
                   "system_prompt_hash": "a" * 64, "tool_schema_hash": "b" * 64,
                   "harness_version": "bank-agent 1.2"},
         retention_until=timezone.now() + timedelta(days=30))
     Step.objects.filter(pk=second.pk).update(
-        observation={"messages": [system, user, call, tool]},
+        observation_rest={"messages": [system, user, call, tool]},
         action={"messages": [{"role": "assistant", "content": "Your balance is 12 EUR."}],
                 "finish_reason": "stop"},
         versions={"gen_ai.request.model": "gpt-x", "gen_ai.response.model": "gpt-x-0602",

@@ -83,7 +83,8 @@ def test_long_text_is_sanitized_in_chunks_and_indexed(tenant, agent, tmp_path, m
     content = Step.objects.get(pk=rec["step_id"]).observation["messages"][0]["content"]
     assert EMAIL not in content and "<EMAIL_ADDRESS_1>" in content
     assert len(content) > 2 * nlp.max_length
-    assert SubjectIndex.objects.filter(interaction=ia,
+    # The email is in a history message: its row belongs to the conversation item.
+    assert SubjectIndex.objects.filter(trajectory_id=ia.trajectory_id, item__isnull=False,
                                        hash__in=lookup_hashes(tenant.pk, EMAIL)).exists()
 
 

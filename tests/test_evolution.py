@@ -811,7 +811,9 @@ def test_an_erasure_during_the_pipeline_stops_the_promotion(tenant, people, var_
 
 def failing(tenant, agent, step_fields: dict, reward: float = 0.0) -> Trajectory:
     traj = make_trajectory(tenant, agent, steps=1)
-    Step.objects.filter(trajectory=traj).update(**step_fields)
+    # `observation` is the model's property; the stored column is `observation_rest`.
+    fields = {("observation_rest" if k == "observation" else k): v for k, v in step_fields.items()}
+    Step.objects.filter(trajectory=traj).update(**fields)
     gov.record_reward("system:test", tenant, value=reward, trajectory_id=traj.pk)
     return traj
 

@@ -43,6 +43,7 @@ from governance.models import (
     ApiToken,
     Approval,
     AuditEvent,
+    ConversationItem,
     DataKey,
     Dataset,
     DatasetVersion,
@@ -177,6 +178,8 @@ def world(tenant, other_tenant, make_member):
         DatasetVersionMember.objects.create(tenant=t, version=v, trajectory=traj)
         Approval.objects.create(tenant=t, version=v, decision="reject", reason="r")
         step = Step.objects.filter(trajectory=traj).first()
+        ConversationItem.objects.create(tenant=t, trajectory=traj, digest=f"m:{t.slug}",
+                                        sanitizer_version="test-1", content={"role": "user"})
         Finding.objects.create(tenant=t, step=step, interaction=step.interaction,
                                side="request", entity_type="EMAIL_ADDRESS", path="$.x",
                                start=0, end=5, score=0.9, recognizer="email",

@@ -52,7 +52,7 @@ def sum_trajectory(tenant, agent, a: int, b: int, *, reference: str | None = "te
     if tools:
         obs["tools"] = TOOLS
     Step.objects.filter(trajectory=traj).update(
-        observation=obs, action={"messages": [{"role": "assistant", "content": str(a + b)}],
+        observation_rest=obs, action={"messages": [{"role": "assistant", "content": str(a + b)}],
                                  "finish_reason": "stop"},
         versions={"gen_ai.request.model": "m", "gen_ai.response.model": "m",
                   "system_prompt_hash": hashlib.sha256(b"you add").hexdigest(),

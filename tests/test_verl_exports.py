@@ -107,7 +107,7 @@ def chat_trajectory(tenant, agent, i: int, tools: list | None):
     if tools:
         observation["tools"] = tools
     Step.objects.filter(trajectory=traj).update(
-        observation=observation,
+        observation_rest=observation,
         action={"messages": [{"role": "assistant", "content": str(2 * i)}],
                 "finish_reason": "stop"})
     gov.record_reward("system:test", tenant, value=1.0, trajectory_id=traj.pk,
