@@ -35,8 +35,9 @@ table is refreshed by a thread, the spool is written by a thread):
   reader and the shipper) is built and the inference index learns the exchange. That work
   runs in a `call_soon` callback, i.e. after mitmproxy has written the response to the agent;
   records reach the spool writer thread in bursts every 20 ms (one wake-up and fsync per burst).
-  The record keeps the raw header fields and bodies; their text and base64 forms are made on the
-  writer thread (`spool_form`), so the event loop does not spend time on them.
+  The record keeps the raw header fields and bodies; the header text is made on the writer
+  thread (`spool_form`), so the event loop does not spend time on it, and the bodies are
+  spooled as raw bytes (binary frames, wire/spool.py).
 - Upstream unreachable -> 502, no response headers within STEWARD_UPSTREAM_TIMEOUT -> 504, both
   as OpenAI error JSON (mechanism in proxy/errors.py), and a failed step is spooled.
 
@@ -48,7 +49,6 @@ asks mitmproxy to shut down, rather than forwarding uncaptured traffic.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import re
@@ -266,22 +266,16 @@ def _header_list(fields: tuple[tuple[bytes, bytes], ...]) -> list[list[str]]:
     return [[k.decode("utf-8", "replace"), v.decode("utf-8", "replace")] for k, v in fields]
 
 
-def _b64(data: bytes | None) -> str | None:
-    return None if data is None else base64.b64encode(data).decode("ascii")
-
-
 def spool_form(record: dict[str, Any]) -> dict[str, Any]:
-    """The JSON form of a record built by `Steward._finish` (runs on the spool writer thread):
+    """The spool form of a record built by `Steward._finish` (runs on the spool writer thread):
     header fields as [name, value] text pairs, without the agent's Authorization (its proxy
-    key is never stored), bodies as base64."""
+    key is never stored); the bodies stay bytes (the spool frames them raw, wire/spool.py)."""
     record["request_headers"] = [[_header_text(k), _header_text(v)]
                                  for k, v in record["request_headers"]
                                  if k.lower() != b"authorization"]
     response_headers = record["response_headers"]
     if response_headers is not None:
         record["response_headers"] = _header_list(response_headers)
-    record["request_body"] = _b64(record["request_body"])
-    record["response_body"] = _b64(record["response_body"])
     record["path"] = _path_text(record["path"])
     return record
 

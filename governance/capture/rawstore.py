@@ -22,6 +22,7 @@ from django.db import connection
 from governance.keyring import unwrap_data_key, wrap_data_key
 from governance.models import DataKey, Interaction
 from wire.crypto import new_data_key, open_sealed, seal
+from wire.spool import json_form
 
 # `routing`: the canary route/arm and context updates the proxy applied (proxy/routing.py);
 # the step builder copies it into the step's `versions`.
@@ -46,7 +47,9 @@ def raw_aad(flow_id: str) -> bytes:
 
 
 def raw_plaintext(record: dict[str, Any]) -> bytes:
-    """The exchange part of a spool record (no routing metadata), as JSON bytes."""
+    """The exchange part of a spool record (no routing metadata), as JSON bytes. Bodies a
+    binary spool frame carried as bytes are base64 here, as format-1 records had them."""
+    record = json_form(record)
     return orjson.dumps({"v": 1, **{k: record.get(k) for k in RAW_FIELDS}})
 
 
