@@ -25,7 +25,10 @@ table is refreshed by a thread, the spool is written by a thread):
   with flow, tenant and agent, nothing forwarded (mitmproxy alone would log it and forward
   the request uncaptured). Trajectory inference failing only means a new trajectory.
 - The trajectory and step ids are chosen before forwarding (proxy/inference.py) and returned in
-  `X-Steward-Trajectory` / `X-Steward-Step`.
+  `X-Steward-Trajectory` / `X-Steward-Step`. A call that names `X-Steward-Session` takes no
+  prefix hashes before forwarding; after its response it feeds the inference index (hashes,
+  the answer re-parsed from its SSE) only when its agent also sends calls without a session,
+  the only calls the index can link.
 - SSE responses are streamed to the agent as they arrive (a tee that keeps a reference to each
   chunk, no re-chunking); other responses are forwarded as mitmproxy does. A stream silent
   for STEWARD_STREAM_IDLE_TIMEOUT between chunks is closed (error kind stream_idle_timeout).
@@ -299,6 +302,11 @@ class Steward:
         self.instance = f"{socket.gethostname()}:?"
         self._upstream_auth = b""
         self._pending: list[dict] = []  # finished records not yet handed to the spool writer
+        # (tenant, agent) scopes that sent a captured call without X-Steward-Session. Only
+        # there can the trajectory index link a call, so only there do session-named calls
+        # feed it (prefix hashes, the answer's SSE re-parse); an agent that always names its
+        # sessions costs neither (docs/decisions.md, decision 26).
+        self._inferring: set[tuple[int, int]] = set()
         self._handoff: asyncio.TimerHandle | None = None
         # flow id -> (loop deadline, flow) of forwarded requests awaiting response headers
         self._deadlines: dict[str, tuple[float, http.HTTPFlow]] = {}
@@ -570,9 +578,14 @@ class Steward:
         scope = (key.tenant_id, key.agent_id)
         hashes = None
         try:
-            if endpoint == "chat.completions" and isinstance(body, dict) and isinstance(
-                    body.get("messages"), list) and body["messages"]:
-                hashes = prefix_hashes(body["messages"])
+            # A named session is its own trajectory (inference rule 1): its prefix hashes
+            # would only serve the index, so they are not taken here, before forwarding
+            # (_learn takes them after the response where the index can use them).
+            if admitted.session is None:
+                self._inferring.add(scope)
+                if endpoint == "chat.completions" and isinstance(body, dict) and isinstance(
+                        body.get("messages"), list) and body["messages"]:
+                    hashes = prefix_hashes(body["messages"])
             decision = decide(self.index, scope, endpoint, body, admitted.session, hashes)
         except Exception:  # inference is best effort: a new trajectory, still captured
             log.exception("trajectory inference failed for flow %s (tenant %s, agent %s): "
@@ -883,7 +896,8 @@ class Steward:
         if self._handoff is None:
             self._handoff = asyncio.get_running_loop().call_later(HANDOFF_SECONDS,
                                                                   self._hand_off)
-        if status is not None and 200 <= status < 300 and body:
+        if status is not None and 200 <= status < 300 and body and (
+                cap.session is None or (cap.key.tenant_id, cap.key.agent_id) in self._inferring):
             try:
                 self._learn(cap, body, is_stream)
             except Exception:  # inference is best effort; the record is already spooled
@@ -894,9 +908,14 @@ class Steward:
         req = cap.request_json
         if not isinstance(req, dict):
             return
-        if cap.endpoint == "chat.completions" and cap.hashes:
+        hashes = cap.hashes
+        if cap.endpoint == "chat.completions" and hashes is None and cap.session is not None:
+            messages = req.get("messages")
+            if isinstance(messages, list) and messages:
+                hashes = prefix_hashes(messages)
+        if cap.endpoint == "chat.completions" and hashes:
             self.index.record_chat(scope, req["messages"], chat_answer(body, is_stream),
-                                   cap.decision.trajectory_id, cap.hashes)
+                                   cap.decision.trajectory_id, hashes)
         elif cap.endpoint == "responses":
             rid = response_id(body, is_stream)
             if rid:
