@@ -152,17 +152,17 @@ def split_records(data: bytes, final: bool) -> Iterator[tuple[int, int, bool]]:
     while pos < size:
         if data[pos] == 0xFF:
             if MAGIC.startswith(data[pos:pos + len(MAGIC)]):
-                end = size + 1  # a header not all there yet
-                if size - pos >= HEADER.size:
-                    end = pos + HEADER.size + HEADER.unpack_from(data, pos)[1]
-                if end <= size:
-                    yield pos, end, True
-                    pos = end
-                    continue
-                if end - pos - HEADER.size <= MAX_FRAME:  # incomplete, not corrupt
-                    if final:
-                        yield pos, size, False
-                    return
+                n = HEADER.unpack_from(data, pos)[1] if size - pos >= HEADER.size else 0
+                end = pos + HEADER.size + n
+                if n <= MAX_FRAME:  # else a corrupt length
+                    if end <= size and n:
+                        yield pos, end, True
+                        pos = end
+                        continue
+                    if end > size or size - pos < HEADER.size:  # not all there yet
+                        if final:
+                            yield pos, size, False
+                        return
             # A corrupt header: skip to where a record can start again.
             nxt = _resync(data, pos + 1)
             yield pos, nxt, False
