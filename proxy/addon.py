@@ -25,7 +25,10 @@ table is refreshed by a thread, the spool is written by a thread):
   with flow, tenant and agent, nothing forwarded (mitmproxy alone would log it and forward
   the request uncaptured). Trajectory inference failing only means a new trajectory.
 - The trajectory and step ids are chosen before forwarding (proxy/inference.py) and returned in
-  `X-Steward-Trajectory` / `X-Steward-Step`.
+  `X-Steward-Trajectory` / `X-Steward-Step`. A call that names `X-Steward-Session` takes no
+  prefix hashes before forwarding; after its response it feeds the inference index (hashes,
+  the answer re-parsed from its SSE) only when its agent also sends calls without a session,
+  the only calls the index can link.
 - SSE responses are streamed to the agent as they arrive (a tee that keeps a reference to each
   chunk, no re-chunking); other responses are forwarded as mitmproxy does. A stream silent
   for STEWARD_STREAM_IDLE_TIMEOUT between chunks is closed (error kind stream_idle_timeout).
@@ -35,8 +38,9 @@ table is refreshed by a thread, the spool is written by a thread):
   reader and the shipper) is built and the inference index learns the exchange. That work
   runs in a `call_soon` callback, i.e. after mitmproxy has written the response to the agent;
   records reach the spool writer thread in bursts every 20 ms (one wake-up and fsync per burst).
-  The record keeps the raw header fields and bodies; their text and base64 forms are made on the
-  writer thread (`spool_form`), so the event loop does not spend time on them.
+  The record keeps the raw header fields and bodies; the header text is made on the writer
+  thread (`spool_form`), so the event loop does not spend time on it, and the bodies are
+  spooled as raw bytes (binary frames, wire/spool.py).
 - Upstream unreachable -> 502, no response headers within STEWARD_UPSTREAM_TIMEOUT -> 504, both
   as OpenAI error JSON (mechanism in proxy/errors.py), and a failed step is spooled.
 
@@ -48,7 +52,6 @@ asks mitmproxy to shut down, rather than forwarding uncaptured traffic.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import re
@@ -266,22 +269,16 @@ def _header_list(fields: tuple[tuple[bytes, bytes], ...]) -> list[list[str]]:
     return [[k.decode("utf-8", "replace"), v.decode("utf-8", "replace")] for k, v in fields]
 
 
-def _b64(data: bytes | None) -> str | None:
-    return None if data is None else base64.b64encode(data).decode("ascii")
-
-
 def spool_form(record: dict[str, Any]) -> dict[str, Any]:
-    """The JSON form of a record built by `Steward._finish` (runs on the spool writer thread):
+    """The spool form of a record built by `Steward._finish` (runs on the spool writer thread):
     header fields as [name, value] text pairs, without the agent's Authorization (its proxy
-    key is never stored), bodies as base64."""
+    key is never stored); the bodies stay bytes (the spool frames them raw, wire/spool.py)."""
     record["request_headers"] = [[_header_text(k), _header_text(v)]
                                  for k, v in record["request_headers"]
                                  if k.lower() != b"authorization"]
     response_headers = record["response_headers"]
     if response_headers is not None:
         record["response_headers"] = _header_list(response_headers)
-    record["request_body"] = _b64(record["request_body"])
-    record["response_body"] = _b64(record["response_body"])
     record["path"] = _path_text(record["path"])
     return record
 
@@ -305,6 +302,11 @@ class Steward:
         self.instance = f"{socket.gethostname()}:?"
         self._upstream_auth = b""
         self._pending: list[dict] = []  # finished records not yet handed to the spool writer
+        # (tenant, agent) scopes that sent a captured call without X-Steward-Session. Only
+        # there can the trajectory index link a call, so only there do session-named calls
+        # feed it (prefix hashes, the answer's SSE re-parse); an agent that always names its
+        # sessions costs neither (docs/decisions.md, decision 26).
+        self._inferring: set[tuple[int, int]] = set()
         self._handoff: asyncio.TimerHandle | None = None
         # flow id -> (loop deadline, flow) of forwarded requests awaiting response headers
         self._deadlines: dict[str, tuple[float, http.HTTPFlow]] = {}
@@ -576,9 +578,14 @@ class Steward:
         scope = (key.tenant_id, key.agent_id)
         hashes = None
         try:
-            if endpoint == "chat.completions" and isinstance(body, dict) and isinstance(
-                    body.get("messages"), list) and body["messages"]:
-                hashes = prefix_hashes(body["messages"])
+            # A named session is its own trajectory (inference rule 1): its prefix hashes
+            # would only serve the index, so they are not taken here, before forwarding
+            # (_learn takes them after the response where the index can use them).
+            if admitted.session is None:
+                self._inferring.add(scope)
+                if endpoint == "chat.completions" and isinstance(body, dict) and isinstance(
+                        body.get("messages"), list) and body["messages"]:
+                    hashes = prefix_hashes(body["messages"])
             decision = decide(self.index, scope, endpoint, body, admitted.session, hashes)
         except Exception:  # inference is best effort: a new trajectory, still captured
             log.exception("trajectory inference failed for flow %s (tenant %s, agent %s): "
@@ -889,7 +896,8 @@ class Steward:
         if self._handoff is None:
             self._handoff = asyncio.get_running_loop().call_later(HANDOFF_SECONDS,
                                                                   self._hand_off)
-        if status is not None and 200 <= status < 300 and body:
+        if status is not None and 200 <= status < 300 and body and (
+                cap.session is None or (cap.key.tenant_id, cap.key.agent_id) in self._inferring):
             try:
                 self._learn(cap, body, is_stream)
             except Exception:  # inference is best effort; the record is already spooled
@@ -900,9 +908,14 @@ class Steward:
         req = cap.request_json
         if not isinstance(req, dict):
             return
-        if cap.endpoint == "chat.completions" and cap.hashes:
+        hashes = cap.hashes
+        if cap.endpoint == "chat.completions" and hashes is None and cap.session is not None:
+            messages = req.get("messages")
+            if isinstance(messages, list) and messages:
+                hashes = prefix_hashes(messages)
+        if cap.endpoint == "chat.completions" and hashes:
             self.index.record_chat(scope, req["messages"], chat_answer(body, is_stream),
-                                   cap.decision.trajectory_id, cap.hashes)
+                                   cap.decision.trajectory_id, hashes)
         elif cap.endpoint == "responses":
             rid = response_id(body, is_stream)
             if rid:

@@ -2,11 +2,12 @@
 file format and its readers are in wire/spool.py).
 
 The proxy's hooks call `SpoolWriter.append(record)`, which only puts the record on a queue; a
-writer thread turns it into its JSON form (`prepare`, e.g. the addon's base64 of the bodies and
-decoding of the header fields, kept off the event loop), encrypts each record (AES-256-GCM
-under a key derived from the master key), appends it as one base64 line to the active segment
-and fsyncs every `batch_size` records or `batch_ms` milliseconds, whichever comes first. So the
-event loop never waits for the disk, and a crash loses at most one unsynced batch.
+writer thread turns it into its spool form (`prepare`, e.g. the addon's decoding of the header
+fields, kept off the event loop), encrypts each record (AES-256-GCM under a key derived from the
+master key), appends it as one binary frame (wire/spool.py: the bodies stay raw bytes, no
+base64) to the active segment and fsyncs every `batch_size` records or `batch_ms`
+milliseconds, whichever comes first. So the event loop never waits for the disk, and a crash
+loses at most one unsynced batch.
 
 A writer that starts closes the `.open` segments of writers that are no longer running (a
 crashed proxy's), so they can be shipped to the end and deleted.
@@ -26,7 +27,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from wire.spool import DIR_MODE, FILE_MODE, SEGMENT_NAME, encode_line, spool_bytes, spool_key
+from wire.spool import DIR_MODE, FILE_MODE, SEGMENT_NAME, encode_frame, spool_bytes, spool_key
 
 log = logging.getLogger("steward.spool")
 
@@ -39,7 +40,8 @@ class SpoolWriter:
                  segment_seconds: float = 60.0, max_bytes: int = 1024**3,
                  prepare: Callable[[Any], dict[str, Any]] | None = None) -> None:
         self.dir = Path(spool_dir)
-        # Runs on the writer thread: an appended item -> its JSON-serialisable record.
+        # Runs on the writer thread: an appended item -> its record (JSON values, and bytes
+        # at the top level: encode_frame).
         self.prepare = prepare
         self.dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         os.chmod(self.dir, DIR_MODE)
@@ -130,14 +132,14 @@ class SpoolWriter:
     def _encode(self, item: Any) -> bytes | None:
         try:
             record = self.prepare(item) if self.prepare is not None else item
-            return encode_line(self._cipher, record)
+            return encode_frame(self._cipher, record)
         except Exception as e:  # noqa: BLE001 - a record must not kill the writer ...
             exc = e
             flow_id = item.get("flow_id") if isinstance(item, dict) else "?"
         # ... nor be lost: keep what can be kept, marked (text made valid UTF-8, bytes base64).
         try:
             record = salvage(item, f"{type(exc).__name__}: {exc}")
-            line = encode_line(self._cipher, record)
+            line = encode_frame(self._cipher, record)
         except Exception:
             log.exception("spool: record %s could not be serialised, even salvaged: dropped",
                           flow_id)
@@ -158,6 +160,10 @@ class SpoolWriter:
                 # Disk full or I/O error: keep the records, retry; is_full() makes the proxy
                 # answer 503 meanwhile (or pass through, per STEWARD_SPOOL_FULL_POLICY).
                 log.exception("spool: write failed, retrying in 1 s")
+                try:  # drop a partly written burst, so the retry does not follow a torn frame
+                    os.ftruncate(self._file.fileno(), self._written)
+                except OSError:
+                    pass
                 self.used_bytes = self.max_bytes
                 time.sleep(1)
         self._written += len(data)

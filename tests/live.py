@@ -90,14 +90,16 @@ def master_key() -> bytes:
 
 
 def read_spool(spool_dir: Path, key: bytes | None = None) -> list[dict[str, Any]]:
-    """Every decodable record in a spool directory, in write order (wire.spool.read_batches)."""
-    from wire.spool import read_batches
+    """Every decodable record in a spool directory, in write order (wire.spool.read_batches),
+    in its JSON form (bodies base64, as the sealed raw payload holds them): what tests compare
+    is the record, whichever spool format carried it."""
+    from wire.spool import json_form, read_batches
 
     records: list[dict[str, Any]] = []
     if not Path(spool_dir).exists():
         return records
     for batch in read_batches(Path(spool_dir), key or master_key()):
-        records.extend(batch.records)
+        records.extend(json_form(r) for r in batch.records)
     return records
 
 

@@ -6,6 +6,7 @@ the demo upstream."""
 from __future__ import annotations
 
 import hmac
+import os
 import time
 import uuid
 from pathlib import Path
@@ -152,7 +153,7 @@ def test_assignments_survive_a_restart_through_the_journal(tmp_path):
     # (Each table has its own random key here: the arms come from the journal, not the hash.)
 
 
-def test_a_notification_that_arrived_is_applied_before_the_next_plan(db):
+def _notification_applied_by_the_plan(listener_fds: list[int] | None = None) -> None:
     """No refresh thread at all: the plan itself reads the listener socket (non-blocking) and
     drops the rolled-back route, so the request after a rollback never races the thread."""
     import psycopg
@@ -165,6 +166,8 @@ def test_a_notification_that_arrived_is_applied_before_the_next_plan(db):
     session = str(uuid.uuid4())
     assert table.plan(1, 2, session, "session").arm == CANDIDATE
     listener = psycopg.connect(url, autocommit=True)
+    if listener_fds is not None:
+        listener_fds.append(listener.fileno())
     listener.execute("LISTEN steward_routing")
     table._listener = listener
     with psycopg.connect(url, autocommit=True) as other:
@@ -174,17 +177,43 @@ def test_a_notification_that_arrived_is_applied_before_the_next_plan(db):
                        orjson.dumps({"t": "governance_contextupdate", "id": 3,
                                      "status": "rolled_back"}).decode()])
     # The notifications travel to the listener's socket (a moment on a loaded machine); nothing
-    # but the plan reads them — no refresh thread runs here.
-    import select
-
+    # but the plan reads them — no refresh thread runs here, and each plan only reads what
+    # has arrived (it never waits).
     deadline = time.monotonic() + 10
     while True:
-        assert select.select([listener.fileno()], [], [], 10)[0]
         plan = table.plan(1, 2, session, "session")
         if (plan.route_id is None and plan.updates == ()) or time.monotonic() > deadline:
             break
+        time.sleep(0.005)
     assert plan.route_id is None and plan.updates == ()
     listener.close()
+
+
+def test_a_notification_that_arrived_is_applied_before_the_next_plan(db):
+    _notification_applied_by_the_plan()
+
+
+def test_the_listener_works_on_a_descriptor_above_1024(db):
+    """select() cannot watch a descriptor >= FD_SETSIZE (ValueError): a busy proxy with
+    more than a thousand connections open must still see a rollback on its next request."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1100:
+        if hard != resource.RLIM_INFINITY and hard < 1100:
+            pytest.skip(f"the descriptor limit ({hard}) is below 1100")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, hard))
+    filler = []
+    try:
+        while not filler or filler[-1] < 1030:  # every low descriptor taken
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        fds: list[int] = []
+        _notification_applied_by_the_plan(fds)
+        assert fds[0] >= 1024
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_reload_that_predates_a_rollback_does_not_bring_it_back():

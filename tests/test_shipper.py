@@ -19,7 +19,13 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from governance.capture.rawstore import data_key_aad, decode_body, open_dead_letter, open_raw
+from governance.capture.rawstore import (
+    data_key_aad,
+    decode_body,
+    open_dead_letter,
+    open_raw,
+    raw_plaintext,
+)
 from governance.capture.shipper import DEAD_LETTER_NAME, Shipper, ship_once
 from governance.keyring import master_key, subject_hash
 from governance.models import AuditEvent, DataKey, DeadLetter, Interaction, Step, Trajectory
@@ -28,7 +34,7 @@ from governance.tasks import build_pending_steps, build_steps
 from proxy.spool import SpoolWriter
 from tests.pipeline import chat_response, make_record, write_records
 from tests.relay import TcpRelay
-from wire.spool import segments
+from wire.spool import MAGIC, encode_frame, encode_line, segments, spool_key
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Redis-broker test runs only where a Redis is named (.ci/run sets it); everything else uses
@@ -182,6 +188,66 @@ def test_step_id_collision_is_dead_lettered_not_lost(tenant, agent, tmp_path):
     dead = DeadLetter.objects.get(tenant=tenant)
     assert dead.flow_id == clash["flow_id"] and "already used by another flow" in dead.reason
     assert open_dead_letter(dead) == clash
+
+
+def _framed(rec: dict) -> dict:
+    """The record as this proxy spools it (bodies bytes) from make_record's format-1 shape."""
+    return {**rec, **{k: base64.b64decode(rec[k]) for k in ("request_body", "response_body")
+                      if rec[k] is not None}}
+
+
+def test_an_older_proxys_spool_ships_after_the_upgrade_with_the_same_raw_payload(
+        tenant, agent, tmp_path):
+    """A segment of format-1 lines (an older proxy's) and one of binary frames holding the
+    same exchange: both ship, and their sealed raw payloads are the same plaintext."""
+    old = make_record(tenant.pk, agent.pk, response=chat_response("same"),
+                      request=b"\x00\xffbinary request", t=time.time() - 5)
+    new = _framed({**make_record(tenant.pk, agent.pk), **{
+        k: v for k, v in old.items() if k not in ("flow_id", "step_id", "trajectory_id")}})
+    assert isinstance(new["request_body"], bytes)
+    (tmp_path / f"seg-1-{os.getpid()}-1.log").write_bytes(
+        encode_line(spool_key(master_key()), old))
+    write_records(tmp_path, [new])
+    assert segments(tmp_path)[1].read_bytes().startswith(MAGIC)
+    counts = ship_once(tmp_path, enqueue=None)
+    assert (counts["inserted"], counts["segments_finished"]) == (2, 2)
+    raw_old = open_raw(Interaction.objects.get(flow_id=old["flow_id"]))
+    raw_new = open_raw(Interaction.objects.get(flow_id=new["flow_id"]))
+    assert raw_new == raw_old and raw_new["request_body"] == old["request_body"]
+    assert raw_plaintext(new) == raw_plaintext(old)
+    build_steps(list(Interaction.objects.values_list("pk", flat=True)))
+    steps = {s.interaction.flow_id: s for s in Step.objects.select_related("interaction")}
+    assert steps[new["flow_id"]].action == steps[old["flow_id"]].action != {}
+
+
+def test_a_bad_record_is_dead_lettered_without_decrypting_its_batch_again(
+        tenant, agent, tmp_path, monkeypatch):
+    import wire.spool
+
+    records = [_framed(make_record(tenant.pk, agent.pk, response=chat_response(str(i))))
+               for i in range(5)]
+    clash = _framed(make_record(tenant.pk, agent.pk, response=chat_response("clash")))
+    clash["step_id"] = records[0]["step_id"]
+    write_records(tmp_path, [*records, clash])
+    tampered = bytearray(encode_frame(spool_key(master_key()), records[1]))
+    tampered[20] ^= 1
+    with open(segments(tmp_path)[0], "ab") as f:
+        f.write(bytes(tampered))
+    opened = []
+    real = wire.spool.open_sealed
+    monkeypatch.setattr(wire.spool, "open_sealed",
+                        lambda *a: opened.append(1) or real(*a))
+    shipper = Shipper(tmp_path, enqueue=None)
+    counts = shipper.ship_once().as_dict()
+    assert (counts["inserted"], counts["bad_lines"], counts["dead_lettered"]) == (5, 1, 2)
+    assert len(opened) == 7  # six records and the bad one, each once
+    (line,) = shipper.read_dead_letters()
+    assert base64.b64decode(line["line_b64"]) == bytes(tampered)
+    # A framed record dead-lettered to its tenant's table keeps the JSON form (bodies base64).
+    dead = DeadLetter.objects.get(tenant=tenant)
+    assert open_dead_letter(dead) == {
+        **clash, **{k: base64.b64encode(clash[k]).decode()
+                    for k in ("request_body", "response_body")}}
 
 
 def test_large_batches_are_inserted_in_chunks(tenant, agent, tmp_path, monkeypatch):

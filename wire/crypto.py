@@ -69,8 +69,11 @@ def seal(key: bytes | AESGCM, plaintext: bytes, associated_data: bytes | None = 
     return nonce + aead.encrypt(nonce, plaintext, associated_data)
 
 
-def open_sealed(key: bytes, sealed: bytes, associated_data: bytes | None = None) -> bytes:
-    return AESGCM(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated_data)
+def open_sealed(key: bytes | AESGCM, sealed: bytes, associated_data: bytes | None = None
+                ) -> bytes:
+    """`key` may be a prepared AESGCM (as for `seal`: the spool reader opens many records)."""
+    aead = key if isinstance(key, AESGCM) else AESGCM(key)
+    return aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated_data)
 
 
 def new_data_key() -> bytes:

@@ -23,6 +23,7 @@ from django.db import connection
 from governance.keyring import unwrap_data_key, wrap_data_key
 from governance.models import DataKey, Interaction
 from wire.crypto import new_data_key, open_sealed, seal
+from wire.spool import json_form
 
 # `routing`: the canary route/arm and context updates the proxy applied (proxy/routing.py);
 # the step builder copies it into the step's `versions`.
@@ -47,9 +48,11 @@ def raw_aad(flow_id: str) -> bytes:
 
 
 def raw_plaintext(record: dict[str, Any], delta: dict[str, Any] | None = None) -> bytes:
-    """The exchange part of a spool record (no routing metadata), as JSON bytes. With a
+    """The exchange part of a spool record (no routing metadata), as JSON bytes. Bodies a
+    binary spool frame carried as bytes are base64 here, as format-1 records had them. With a
     `delta` (request_delta), the request body is stored as that delta against the body of
     the interaction `delta["base"]` names (format 2)."""
+    record = json_form(record)
     if delta is None:
         return orjson.dumps({"v": 1, **{k: record.get(k) for k in RAW_FIELDS}})
     fields = {k: record.get(k) for k in RAW_FIELDS if k != "request_body"}

@@ -89,6 +89,7 @@ from wire.spool import (
     decode_line,
     encode_line,
     finish_segment_if_done,
+    json_form,
     read_batches,
     segments,
     spool_key,
@@ -479,9 +480,11 @@ class Shipper:
                 started_at = timezone.now()
             for key in ("request_body", "response_body"):
                 try:
-                    if key == "request_body" and not isinstance(rec.get(key), str):
+                    value = rec.get(key)
+                    if key == "request_body" and not isinstance(value, (str, bytes)):
                         raise ValueError
-                    decode_body(rec.get(key))
+                    if not isinstance(value, bytes):  # bytes: a binary frame's (wire/spool.py)
+                        decode_body(value)
                 except (ValueError, TypeError):
                     problems.append(f"{key} is not base64")
             subject = rec.get("subject")
@@ -690,30 +693,20 @@ class Shipper:
         return new_ids, n_quarantined, len(existing) + repeated, dead
 
     # -- dead letters ----------------------------------------------------------------------
-    def _undecodable_lines(self, batch: SegmentBatch) -> list[dict]:
-        """read_batches only counts the lines it could not decode; find them again so their
-        bytes are kept (an operator may still recover them with an older key)."""
-        out = []
-        try:
-            with open(batch.segment, "rb") as f:
-                f.seek(batch.start)
-                data = f.read(batch.end - batch.start)
-        except FileNotFoundError:
-            return out
-        pos = 0
-        for line in data.splitlines(keepends=True):
-            try:
-                decode_line(self.spool_key, line)
-            except Exception:
-                out.append({"reason": "undecodable spool line", "segment": batch.segment.name,
-                            "offset": batch.start + pos,
-                            "line_b64": base64.b64encode(line).decode()})
-            pos += len(line)
-        return out
+    @staticmethod
+    def _undecodable_lines(batch: SegmentBatch) -> list[dict]:
+        """The records read_batches could not decode, with their bytes (an operator may still
+        recover them with an older key): the batch carries them, nothing is read again."""
+        return [{"reason": "undecodable spool line", "segment": batch.segment.name,
+                 "offset": offset, "line_b64": base64.b64encode(data).decode()}
+                for offset, data in batch.bad]
 
     def _write_dead_letters(self, entries: list[dict], segment: str) -> None:
         """Entries of an attributable record become DeadLetter rows of its tenant; the rest,
-        and any the table refuses, go to the encrypted dead-letter file."""
+        and any the table refuses, go to the encrypted dead-letter file. Both keep the record
+        in its JSON form (bodies base64), whichever spool format it came in."""
+        entries = [{**e, "record": json_form(e["record"])} if "record" in e else e
+                   for e in entries]
         to_file = [e for e in entries if not e.get(TO_TABLE)]
         by_tenant: dict[int, list[dict]] = defaultdict(list)
         for e in entries:

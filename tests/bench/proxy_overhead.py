@@ -1,6 +1,6 @@
 """Proxy overhead: direct to the upstream vs plain mitmdump vs mitmdump + the Steward addon.
 
-    .venv/bin/python tests/bench/proxy_overhead.py [--seconds 3] [--rounds 2]
+    .venv/bin/python tests/bench/proxy_overhead.py [--seconds 3] [--rounds 2] [--base ROOT]
 
 Needs a PostgreSQL server (DATABASE_URL, default postgresql://postgres@127.0.0.1:5432/steward):
 it creates a throwaway database `steward_bench` on it, migrates it and issues a real proxy key,
@@ -15,6 +15,12 @@ keep-alive, the same log settings):
                  the same plus Steward's hook dispatch (proxy/dispatch.py), which the Steward
                  addon installs on load: Steward minus this row is the addon's own cost
   steward        `mitmdump -s proxy/addon.py`
+  steward+session
+                 the same proxy, each connection's calls naming one `X-Steward-Session` (another
+                 agent's key: an agent that always names its sessions, decision 26)
+  steward@base, steward+session@base
+                 with `--base ROOT`: the same two rows with another checkout's addon (e.g. the
+                 code before a change), so before and after are measured in one run
 
 Cells: 1 and 16 concurrent keep-alive connections; non-streamed chat (requests/s, p50, p99) and
 streamed chat (time to first SSE byte). Each cell runs `--seconds` after a short warm-up, and
@@ -96,8 +102,9 @@ def with_db(url: str, name: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, parts.fragment))
 
 
-def prepare_database(server_url: str, env: dict[str, str]) -> str:
-    """Create steward_bench, migrate it, issue a proxy key; returns the key."""
+def prepare_database(server_url: str, env: dict[str, str]) -> tuple[str, str]:
+    """Create steward_bench, migrate it, issue two agents' proxy keys (unnamed calls, named
+    sessions); returns the keys."""
     import psycopg
 
     with psycopg.connect(with_db(server_url, "postgres"), autocommit=True) as conn:
@@ -109,10 +116,12 @@ def prepare_database(server_url: str, env: dict[str, str]) -> str:
     script = ("import django; django.setup()\n"
               "from governance.services import create_tenant, create_proxy_key\n"
               "t = create_tenant('system:bench', 'bench', 'Bench')[0]\n"
-              "print(create_proxy_key('system:bench', t, 'bench-agent').secret)\n")
+              "print(create_proxy_key('system:bench', t, 'bench-agent').secret)\n"
+              "print(create_proxy_key('system:bench', t, 'bench-session-agent').secret)\n")
     out = subprocess.run([str(PY), "-c", script], cwd=REPO, check=True, capture_output=True,
                          text=True, env={**db_env, "DJANGO_SETTINGS_MODULE": "config.settings"})
-    return out.stdout.strip().splitlines()[-1]
+    lines = out.stdout.strip().splitlines()
+    return lines[-2], lines[-1]
 
 
 def drop_database(server_url: str) -> None:
@@ -130,7 +139,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def run_cell(url: str, key: str, concurrency: int, seconds: float, stream: bool,
-                   server_pid: int) -> dict[str, float]:
+                   server_pid: int, session: str = "") -> dict[str, float]:
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     body = STREAM_BODY if stream else BODY
     latencies: list[float] = []
@@ -138,7 +147,7 @@ async def run_cell(url: str, key: str, concurrency: int, seconds: float, stream:
     errors = 0
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        async def one(record: bool) -> None:
+        async def one(record: bool, headers: dict[str, str]) -> None:
             nonlocal errors
             t0 = time.perf_counter()
             async with session.post(url + "/v1/chat/completions", data=body,
@@ -153,15 +162,17 @@ async def run_cell(url: str, key: str, concurrency: int, seconds: float, stream:
                 latencies.append(t2 - t0)
                 ttfbs.append(t1 - t0)
 
-        async def worker(deadline: float, record: bool) -> None:
+        async def worker(deadline: float, record: bool, n: int) -> None:
+            # With `session`, each connection is one agent session (one trajectory).
+            mine = {**headers, "X-Steward-Session": f"{session}-{n}"} if session else headers
             while time.perf_counter() < deadline:
-                await one(record)
+                await one(record, mine)
 
         warm = time.perf_counter() + 0.5
-        await asyncio.gather(*(worker(warm, False) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(warm, False, n) for n in range(concurrency)))
         start = time.perf_counter()
         cpu0 = cpu_seconds(server_pid)
-        await asyncio.gather(*(worker(start + seconds, True) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(start + seconds, True, n) for n in range(concurrency)))
         elapsed = time.perf_counter() - start
         cpu = cpu_seconds(server_pid) - cpu0
     latencies.sort()
@@ -185,7 +196,20 @@ def main() -> int:
     parser.add_argument("--no-pin", action="store_true",
                         help="do not pin the proxies to CPU 0 and the load generator and "
                         "upstream to the other CPUs")
+    parser.add_argument("--messages", type=int, default=2,
+                        help="messages per request: more than 2 sends a long agent "
+                        "conversation (about 1 KB per message)")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="another checkout whose proxy/addon.py also runs (rows @base)")
     args = parser.parse_args()
+    if args.messages > 2:
+        global BODY, STREAM_BODY
+        filler = "The customer reported that the invoice total does not match the order. " * 14
+        BODY = orjson.dumps({"model": "demo-model", "messages": [
+            {"role": "user" if i % 2 else "system" if i == 0 else "assistant",
+             "content": f"turn {i}: {filler}"} for i in range(args.messages - 1)] + [
+            {"role": "user", "content": "what is 1234 * 5678?"}]})
+        STREAM_BODY = orjson.dumps({**orjson.loads(BODY), "stream": True})
     # Pinning: mitmproxy serves on one thread, so a proxy's capacity is one core. Without
     # pinning, the load generator and the upstream compete with it for that core and the
     # 16-connection cells measure the scheduler as much as the proxy (seen: plain mitmdump's
@@ -201,7 +225,7 @@ def main() -> int:
     master = base64.b64encode(os.urandom(32)).decode()
     env = {**os.environ, "PYTHONPATH": str(REPO), "STEWARD_MASTER_KEY": master,
            "STEWARD_VAR_DIR": str(tmp / "var")}
-    key = prepare_database(server_url, env)
+    key, session_key = prepare_database(server_url, env)
     procs: list[subprocess.Popen] = []
     try:
         up_port = free_port()
@@ -217,14 +241,16 @@ def main() -> int:
                   "--set", "termlog_verbosity=warn", "--set", "connection_strategy=lazy"]
         configs: dict[str, str] = {"direct": upstream}
         pids: dict[str, int] = {"direct": procs[0].pid}
+        stewards = [("steward", REPO)] + ([("steward@base", args.base.resolve())]
+                                          if args.base else [])
         for name, extra, extra_env in [
             ("mitmdump", [], {}),
             ("mitmdump+sse", ["-s", str(tmp / "sse.py")], {}),
             ("mitmdump+sse+dispatch", ["-s", str(tmp / "sse_dispatch.py")], {}),
-            ("steward", ["-s", str(REPO / "proxy" / "addon.py")],
-             {"DATABASE_URL": with_db(server_url, BENCH_DB),
-              "STEWARD_SPOOL_DIR": str(tmp / "var" / "spool")}),
-        ]:
+        ] + [(name, ["-s", str(root / "proxy" / "addon.py")],
+              {"DATABASE_URL": with_db(server_url, BENCH_DB), "PYTHONPATH": str(root),
+               "STEWARD_SPOOL_DIR": str(tmp / "var" / name / "spool")})
+             for name, root in stewards]:
             port = free_port()
             procs.append(subprocess.Popen(
                 [str(MITMDUMP), *common, "--listen-port", str(port), *extra], cwd=REPO,
@@ -233,23 +259,30 @@ def main() -> int:
             wait_port(port)
             configs[name] = f"http://127.0.0.1:{port}"
             pids[name] = procs[-1].pid
-        # Wait until Steward's key table has loaded the key.
-        deadline = time.monotonic() + 30
-        while True:
-            status = asyncio.run(_status(configs["steward"], key))
-            if status == 200:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"steward proxy never accepted the key ({status})")
-            time.sleep(0.2)
+        # The session rows: the same proxies, another agent naming its sessions.
+        sessions: dict[str, str] = {}
+        for name, _ in stewards:
+            row = name.replace("steward", "steward+session")
+            configs[row], pids[row], sessions[row] = configs[name], pids[name], row
+        # Wait until each Steward's key table has loaded the keys.
+        for name, _ in stewards:
+            deadline = time.monotonic() + 30
+            while True:
+                status = asyncio.run(_status(configs[name], session_key))
+                if status == 200:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} proxy never accepted the key ({status})")
+                time.sleep(0.2)
 
         best: dict[tuple[str, int, bool], dict[str, float]] = {}
         for _ in range(args.rounds):
             for conc in args.concurrency:
                 for stream in (False, True):
                     for name, url in configs.items():
-                        res = asyncio.run(run_cell(url, key, conc, args.seconds, stream,
-                                                  pids[name]))
+                        res = asyncio.run(run_cell(
+                            url, session_key if name in sessions else key, conc,
+                            args.seconds, stream, pids[name], sessions.get(name, "")))
                         cell = (name, conc, stream)
                         if cell not in best:
                             best[cell] = res
@@ -282,7 +315,7 @@ async def _status(url: str, key: str) -> int:
 
 def report(configs: dict[str, str], best: dict, args) -> None:
     print(f"\n## Proxy overhead ({args.seconds:g} s per cell, best of {args.rounds} rounds, "
-          f"{os.cpu_count()} CPUs, {args.pinning})\n")
+          f"{args.messages} messages per request, {os.cpu_count()} CPUs, {args.pinning})\n")
     print("| config | conns | req/s | p50 ms | p99 ms | server CPU µs/req | "
           "stream TTFB p50 ms | stream CPU µs/req | errors |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -305,6 +338,16 @@ def report(configs: dict[str, str], best: dict, args) -> None:
             st, ms = best[("steward", conc, True)], best[(stream_base, conc, True)]
             print(f"| {conc} | {s['rps'] / m['rps']:.3f} | {m['cpu_us'] / s['cpu_us']:.3f} | "
                   f"{s['p50'] - m['p50']:+.2f} | {st['ttfb'] - ms['ttfb']:+.2f} |")
+    if "steward@base" in configs:
+        print("\nThis checkout vs --base (server CPU µs/req, plain / streamed)\n")
+        print("| row | conns | base | this | base stream | this stream |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for row in ("steward", "steward+session"):
+            for conc in args.concurrency:
+                b, t = best[(row + "@base", conc, False)], best[(row, conc, False)]
+                bs, ts = best[(row + "@base", conc, True)], best[(row, conc, True)]
+                print(f"| {row} | {conc} | {b['cpu_us']:.0f} | {t['cpu_us']:.0f} | "
+                      f"{bs['cpu_us']:.0f} | {ts['cpu_us']:.0f} |")
 
 
 if __name__ == "__main__":
