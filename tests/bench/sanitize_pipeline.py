@@ -118,6 +118,39 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """Terminate the run's processes (a worker with its pool), killing what outlives 20 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def drop_run_state(server: str, db_name: str | None, broker: str, prefix: str) -> None:
+    """Drop the run's throwaway database (None: keep it) and delete its Redis keys (only
+    those under the run's prefix)."""
+    import psycopg
+    import redis
+
+    try:
+        from django.db import connections
+
+        connections.close_all()
+    except Exception:  # noqa: BLE001 - django was never set up
+        pass
+    if db_name:
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+    client = redis.Redis.from_url(broker)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
 SETTINGS_SHIM = """# Written by tests/bench/sanitize_pipeline.py for one run: the settings,
 # with every Redis key of the run under its own prefix (nothing else there is touched).
 from config.settings import *  # noqa: F403
@@ -153,7 +186,6 @@ def scenario(args: argparse.Namespace) -> dict:
         env.pop(name, None)
 
     import psycopg
-    import redis
 
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{db_name}"')  # fails rather than reuse a database
@@ -295,25 +327,8 @@ def scenario(args: argparse.Namespace) -> dict:
             "load_avg_1m_max": round(max(load), 2), "cpus": os.cpu_count(),
         }
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        try:
-            from django.db import connections
-
-            connections.close_all()
-        except Exception:  # django was never set up
-            pass
-        with psycopg.connect(server, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
-        client = redis.Redis.from_url(broker)
-        keys = list(client.scan_iter(match=prefix + "*", count=1000))
-        if keys:
-            client.delete(*keys)
+        stop_processes(procs)
+        drop_run_state(server, db_name, broker, prefix)
         if keep_logs:
             print(f"logs kept in {tmp}", file=sys.stderr)
         else:

@@ -1,0 +1,775 @@
+"""Long agent sessions through the real appliance, against the same new content as one-off calls.
+
+    .venv/bin/python tests/bench/long_sessions.py [--shapes 10,60,200] [--sessions 2]
+        [--new-kb 3 | --context-kb 100] [--inferred] [--paced-shape 60] [--quick]
+
+An agent resends its whole conversation with every call. This bench measures what that costs the
+appliance as it is: the real proxy (`mitmdump -s proxy/addon.py`), the real shipper
+(`manage.py ship_spool`) and the real Celery worker (`-Q capture,sanitize,celery -c 2`), each
+started with the command line `steward up` uses (config.cli.service_argv), with the official
+`openai` client talking to the proxy. The upstream is a small local OpenAI-compatible server (in
+this process) whose "model" always answers with a tool call, so that every turn of a session
+appends what agents append: the assistant's reply with its tool_calls, then the tool's result.
+
+Bodies: a ~2 KB system prompt, five tool schemas, a first user message, then per turn the
+assistant's tool call (arguments carry an email from the last tool result) and a tool result of
+customer records with personal data (names, emails, phones, postal addresses, notes; planted with
+tests/bench/corpus.py's generator), about `--new-kb` of new content per call. `--context-kb K`
+instead sizes each shape's new content so that its last call carries about K KB of context.
+
+For each shape (calls per session) and `--sessions` sessions sent concurrently (each session by
+its own thread, a call as soon as the previous one was answered):
+  session   every call resends the whole conversation, with `X-Steward-Session`;
+  inferred  (with --inferred) the same without the header: the proxy infers the trajectory;
+  one-off   the baseline: the SAME new messages, each call carrying only the system prompt, the
+            tools and that turn's new messages (its own X-Steward-Session, so that only the
+            resent history differs from the session run).
+Per run it prints the time from the first send until the last step exists (every interaction
+processed or quarantined), the database growth (sum of pg_total_relation_size over every table of
+the app schema, before/after; nothing is deleted between runs), the ATDP documents' bytes
+(governance.capture.atdp.trajectory_document of each trajectory), database bytes per call against
+the call's new content (JSON of the new messages), the sustained calls/s (calls / time to
+sanitized) with step lag p50/p95 (step created_at - the proxy's t_request), and the ratios
+session / one-off. Then the NER floor: spaCy (the sanitizer's model, loaded as the sanitizer loads
+it) over just the new text of the same calls, as calls/s, next to the pipeline's sustained rate.
+`--paced-shape N` (default 60 when 60 is among the shapes) runs that shape's sessions once more,
+paced at `--paced-fraction` of the sustained rate just measured, and reports the lag p95 at that
+rate (target, issue 16: < 5 s).
+
+Targets (issue 16): time and database growth <= 1.2x the one-off figure at 60 calls, <= 1.5x at
+200 calls with 100 KB contexts; database bytes per call <= 3x the call's new content; sustained
+calls/s at 60 calls within 1.5x of the NER floor. The table marks each. The exit status is 0 when
+every call of every run became a step (whatever the targets), 1 otherwise; `--strict` makes a
+missed target exit 2.
+
+Needs PostgreSQL and Redis, nothing set: the server is DATABASE_URL's (default
+postgresql://postgres@127.0.0.1:5432), reached through its `postgres` maintenance database, where
+a throwaway database steward_bench_<pid> is created, migrated and dropped at the end (`--keep`
+keeps it); Redis is CELERY_BROKER_URL when that is a redis:// URL, else redis://127.0.0.1:6379/0,
+every key of the run under a prefix of its own (tests/bench/sanitize_pipeline.py's settings shim)
+and only those keys deleted afterwards. A clear error when either is unreachable. Logs of the
+proxy, shipper and worker are kept in a temporary directory when a run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.bench.sanitize_pipeline import (  # noqa: E402
+    SETTINGS_SHIM,
+    drop_run_state,
+    percentile,
+    stop_processes,
+    with_db,
+)
+
+DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+MODEL = "bench-agent-model"
+MODES = ("one-off", "session", "inferred")
+# Issue 16's targets: session / one-off ratio of time and database growth by shape, bytes of
+# database per call against its new content, sustained rate against the NER floor, lag p95.
+RATIO_TARGETS = {60: 1.2, 200: 1.5}
+BYTES_PER_NEW_BYTE_TARGET = 3.0
+FLOOR_FACTOR_TARGET = 1.5
+LAG_P95_TARGET_S = 5.0
+
+# --- the agent's bodies (pure) -----------------------------------------------------------------
+
+SYSTEM_RULES = [
+    "You are the customer-care agent of Northwind Outfitters, an online retailer of outdoor gear "
+    "that ships to the UK, the EU and North America.",
+    "Always look the customer up with lookup_customer before you discuss an order, a refund or "
+    "an address; never guess an account from a name alone.",
+    "Confirm the customer's identity with two of: email, phone number, postal code, the last "
+    "four digits of the card on file. Do not read the full card number back.",
+    "Refunds up to 150 EUR may be issued with issue_refund; above that, open a ticket for a "
+    "supervisor and tell the customer the expected response time (one business day).",
+    "Address changes are allowed until the order is handed to the carrier. After that, offer a "
+    "carrier redirect through the carrier's own portal and explain the fee.",
+    "When a tool result lists several customers, work through them in order and summarise each "
+    "account in one or two sentences before acting on it.",
+    "Keep answers short, factual and polite. Use the customer's preferred language when it is "
+    "recorded on the account; otherwise answer in English.",
+    "Never disclose one customer's data to another customer, and never paste internal notes "
+    "verbatim: they may contain opinions of staff that are not meant for customers.",
+    "If a customer asks for their data to be deleted, acknowledge the request, create a "
+    "privacy ticket with send_email to privacy@northwind.example and stop processing.",
+    "Orders flagged for fraud review must not be changed; explain that the order is being "
+    "checked and that the customer will receive an email within 48 hours.",
+    "Loyalty points: 1 point per EUR spent, 100 points are worth 5 EUR, points expire after "
+    "24 months. Points cannot be paid out in cash.",
+    "Returns: 30 days from delivery, 60 days for loyalty members; items must be unused with "
+    "tags. Footwear worn outdoors cannot be returned, except for manufacturing defects.",
+    "Warranty claims need a photo of the defect and the order number; create them with "
+    "send_email to warranty@northwind.example, one email per item.",
+    "Escalate threats, legal demands and press enquiries to a human immediately and do not "
+    "comment on them.",
+    "Before you end a conversation, summarise what was done and what the customer should "
+    "expect next, with dates where there are any.",
+]
+SYSTEM_PROMPT = "\n".join(f"{i + 1}. {rule}" for i, rule in enumerate(SYSTEM_RULES))
+
+
+def _tool(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict:
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": required}}}
+
+
+_EMAIL = {"type": "string", "description": "The customer's email address as on the account."}
+TOOLS = [
+    _tool("lookup_customer", "Find customer accounts by email, phone or name; returns the "
+          "matching accounts with contact details, addresses and recent notes.",
+          {"email": _EMAIL, "phone": {"type": "string"}, "name": {"type": "string"}}, ["email"]),
+    _tool("list_orders", "List the orders of a customer, newest first, with status and carrier.",
+          {"email": _EMAIL, "limit": {"type": "integer", "minimum": 1, "maximum": 50}},
+          ["email"]),
+    _tool("update_address", "Change the delivery address of an order not yet shipped.",
+          {"email": _EMAIL, "order_id": {"type": "string"},
+           "address": {"type": "string", "description": "Full postal address."}},
+          ["email", "order_id", "address"]),
+    _tool("issue_refund", "Refund an order or part of it to the original payment method.",
+          {"email": _EMAIL, "order_id": {"type": "string"},
+           "amount_eur": {"type": "number", "exclusiveMinimum": 0},
+           "reason": {"type": "string", "enum": ["damaged", "late", "wrong_item", "other"]}},
+          ["email", "order_id", "amount_eur", "reason"]),
+    _tool("send_email", "Send an email from the support mailbox (tickets, confirmations).",
+          {"to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"}},
+          ["to", "subject", "body"]),
+]
+_EMAIL_RE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+
+
+def content_text(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def assistant_for(last: dict) -> dict:
+    """The upstream model's answer to a conversation whose last message is `last`: a call of
+    one of the tools about the first email in that message. A pure function of `last`, so the
+    one-off baseline can carry exactly the assistant message the session run appended."""
+    text = content_text(last)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    tool = TOOLS[zlib.crc32(text.encode()) % len(TOOLS)]["function"]["name"]
+    found = _EMAIL_RE.search(text)
+    email = found.group(0) if found else "unknown@northwind.example"
+    args: dict[str, Any] = {"email": email}
+    if tool == "send_email":
+        args = {"to": email, "subject": "Your request", "body": "We are looking into it."}
+    elif tool in ("update_address", "issue_refund"):
+        args["order_id"] = f"ORD-{int(digest[:6], 16)}"
+        if tool == "issue_refund":
+            args.update(amount_eur=round(int(digest[6:10], 16) % 15000 / 100, 2), reason="late")
+        else:
+            args["address"] = "see account"
+    return {"role": "assistant", "content": f"Checking with {tool} for {email}.",
+            "tool_calls": [{"id": f"call_{digest[:24]}", "type": "function",
+                            "function": {"name": tool, "arguments": json.dumps(args)}}]}
+
+
+def customer_record(g: Any) -> dict:
+    name = g.person()
+    # Not g.benign(): some of its tokens are dates relative to now, and the bodies must be the
+    # same in every run.
+    order = f"ORD-{g.rng.randint(1000, 99999999)}"
+    return {"customer_id": f"C-{g.rng.randint(100000, 999999)}", "name": name,
+            "email": g.value("EMAIL_ADDRESS", name), "phone": g.value("PHONE_NUMBER"),
+            "address": g.en.address().replace("\n", ", "),
+            "note": f"{g.sentence('PERSON', name)} {g.benign_sentence(order)}"}
+
+
+def tool_message(g: Any, call: dict, size: int) -> dict:
+    """The result of `call`: customer records until the content holds about `size` bytes (the
+    last record loses its note, address and phone while the content stays at `size` or more, so
+    that small sizes, e.g. --context-kb over 200 calls, are not rounded up to whole records)."""
+    records: list[dict] = []
+
+    def dump() -> str:
+        return json.dumps({"tool": call["function"]["name"], "matches": len(records),
+                           "customers": records})
+
+    body = ""
+    while not records or len(body) < size:
+        records.append(customer_record(g))
+        body = dump()
+    for key in ("note", "address", "phone"):
+        kept = records[-1].pop(key)
+        if len(dump()) < size:
+            records[-1][key] = kept
+            break
+    return {"role": "tool", "tool_call_id": call["id"], "content": dump()}
+
+
+def message_bytes(messages: list[dict]) -> int:
+    return len(json.dumps(messages).encode())
+
+
+def script(seed: int, calls: int, new_bytes: int) -> list[list[dict]]:
+    """The new messages of each call of one session: call 0 a user message, call k >= 1 the
+    assistant's answer to call k-1 (assistant_for) and the result of the tool it called."""
+    from tests.bench.corpus import Gen
+
+    g = Gen(seed)
+    name = g.person()
+    first = {"role": "user", "content": (
+        f"Hi, this is {name} ({g.value('EMAIL_ADDRESS', name)}, {g.value('PHONE_NUMBER')}). "
+        "Several orders of our family accounts have not arrived; please check every account "
+        "that comes up and fix what you can.")}
+    turns = [[first]]
+    last = first
+    for _ in range(1, calls):
+        reply = assistant_for(last)
+        size = max(200, new_bytes - message_bytes([reply]))
+        last = tool_message(g, reply["tool_calls"][0], size)
+        turns.append([reply, last])
+    return turns
+
+
+def new_texts(messages: list[dict]) -> list[str]:
+    """The text a sanitizer reads in new messages: contents and tool-call arguments."""
+    texts = [content_text(m) for m in messages]
+    for m in messages:
+        texts += [c["function"]["arguments"] for c in m.get("tool_calls") or []]
+    return [t for t in texts if t]
+
+
+def request_messages(turns: list[list[dict]], k: int, mode: str) -> list[dict]:
+    """What call k sends: the system prompt plus, in a session, every message so far; one-off,
+    only call k's new messages."""
+    history = turns[k] if mode == "one-off" else [m for t in turns[:k + 1] for m in t]
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *history]
+
+
+def new_kb_for(args: argparse.Namespace, calls: int) -> float:
+    """New content per call: --new-kb, or what makes the last call carry --context-kb."""
+    if not args.context_kb:
+        return args.new_kb
+    fixed = message_bytes([{"role": "system", "content": SYSTEM_PROMPT}]) + message_bytes(TOOLS)
+    return max(0.3, (args.context_kb * 1024 - fixed) / calls / 1024)
+
+
+# --- the upstream -------------------------------------------------------------------------------
+
+def upstream_app() -> Any:
+    """An OpenAI-compatible chat endpoint answering assistant_for(last message)."""
+    from aiohttp import web
+
+    from tests.pipeline import chat_response
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        answer = assistant_for(body["messages"][-1])
+        return web.json_response(chat_response(answer["content"],
+                                               tool_calls=answer["tool_calls"]))
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list",
+                                  "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+# --- the appliance ------------------------------------------------------------------------------
+
+@dataclass
+class Appliance:
+    base_url: str
+    tenant: Any
+    keys: dict[str, str]  # agent name -> proxy key secret
+    processes: dict[str, subprocess.Popen]
+    tmp: Path
+    warmup_s: float = 0.0
+    failed: list[str] = field(default_factory=list)
+
+    def check_alive(self) -> None:
+        dead = [n for n, p in self.processes.items() if p.poll() is not None]
+        if dead:
+            raise SystemExit(f"{', '.join(dead)} exited; logs in {self.tmp}")
+
+
+def require_services(server: str, broker: str) -> None:
+    """Fail early, and clearly, when PostgreSQL or Redis is not there."""
+    import psycopg
+    import redis
+
+    try:
+        psycopg.connect(server, connect_timeout=5, autocommit=True).close()
+    except psycopg.Error as e:
+        raise SystemExit(f"long_sessions: PostgreSQL is not reachable at {server} ({e}); "
+                         "start it or pass --pg URL (the server's maintenance database)") from e
+    try:
+        redis.Redis.from_url(broker, socket_connect_timeout=5).ping()
+    except redis.RedisError as e:
+        raise SystemExit(f"long_sessions: Redis is not reachable at {broker} ({e}); start it "
+                         "or pass --redis URL") from e
+
+
+@contextmanager
+def appliance(server: str, broker: str, agents: list[str], keep_db: bool = False
+              ) -> Iterator[Appliance]:
+    """A throwaway database on `server`, migrated; a tenant with one proxy key per agent name;
+    the local upstream; proxy, shipper and worker as `steward up` starts them."""
+    import psycopg
+
+    from config.cli import ServiceConfig, service_argv
+
+    run_id = f"{os.getpid()}"
+    db_name = f"steward_bench_{run_id}"
+    prefix = f"steward-bench-long-{uuid.uuid4().hex[:8]}:"
+    tmp = Path(tempfile.mkdtemp(prefix="steward-bench-long-"))
+    (tmp / "steward_bench_settings.py").write_text(SETTINGS_SHIM.format(prefix=prefix))
+    env = {**os.environ, "DATABASE_URL": with_db(server, db_name),
+           "CELERY_BROKER_URL": broker,
+           "STEWARD_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
+           "STEWARD_VAR_DIR": str(tmp / "var"), "DJANGO_SETTINGS_MODULE": "steward_bench_settings",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{tmp}", "PYTHONUNBUFFERED": "1"}
+    for name in ("DATABASE_OWNER_URL", "STEWARD_TEST_DATABASE", "STEWARD_MASTER_KEY_FILE",
+                 "STEWARD_SPOOL_DIR", "STEWARD_DB_SCOPE_ROLE", "STEWARD_UPSTREAM_URL"):
+        env.pop(name, None)
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{db_name}"')
+    processes: dict[str, subprocess.Popen] = {}
+    stop_upstream: Callable[[], None] | None = None
+    ok = False
+    try:
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=REPO, env=env,
+                       check=True)
+        os.environ.update({k: env[k] for k in ("DATABASE_URL", "CELERY_BROKER_URL",
+                                               "STEWARD_MASTER_KEY", "STEWARD_VAR_DIR",
+                                               "DJANGO_SETTINGS_MODULE")})
+        for name in ("STEWARD_MASTER_KEY_FILE", "STEWARD_SPOOL_DIR", "STEWARD_DB_SCOPE_ROLE"):
+            os.environ.pop(name, None)
+        sys.path.insert(0, str(tmp))
+        import django
+
+        django.setup()
+        for noisy in ("aiohttp.access", "httpx", "httpx2", "openai"):  # a line per call otherwise
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        from governance.services import create_proxy_key, create_tenant
+        from tests.live import ProxyProcess, free_port, serve_app, wait_for_key, wait_for_port
+
+        tenant = create_tenant("system:bench", "bench", "Bench")[0]
+        keys = {a: create_proxy_key("system:bench", tenant, a).secret for a in agents}
+        upstream, stop_upstream = serve_app(upstream_app())
+        cfg = ServiceConfig(var_dir=tmp / "var", host="127.0.0.1", web_port=0,
+                            proxy_port=free_port(), upstream=upstream)
+        for name in ("proxy", "shipper", "worker"):
+            argv = service_argv(name, cfg, single_host=True)
+            if name == "worker":
+                argv += ["-n", f"bench-long-{run_id}@%h"]  # the last -n wins
+            with open(tmp / f"{name}.log", "wb") as log:
+                processes[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log,
+                                                   stderr=subprocess.STDOUT)
+        proxy = ProxyProcess(f"http://127.0.0.1:{cfg.proxy_port}", cfg.proxy_port,
+                             tmp / "var" / "spool", tmp / "proxy.log", processes["proxy"], env)
+        wait_for_port(cfg.proxy_port, timeout=60, process=processes["proxy"])
+        for secret in keys.values():
+            wait_for_key(proxy, secret)
+        yield Appliance(proxy.base_url, tenant, keys, processes, tmp)
+        ok = True
+    finally:
+        stop_processes(list(processes.values()))
+        if stop_upstream is not None:
+            stop_upstream()
+        drop_run_state(server, None if keep_db else db_name, broker, prefix)
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"long_sessions: logs kept in {tmp}", file=sys.stderr)
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+def table_sizes() -> dict[str, int]:
+    """pg_total_relation_size (heap, TOAST, indexes) of every table of the app's schema:
+    partitions are plain tables there, a partitioned parent has no storage of its own."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'm')")
+        return {name: int(size) for name, size in cur.fetchall()}
+
+
+def built(app: Appliance, agent: str) -> tuple[int, int]:
+    """(interactions shipped, interactions no longer waiting for their step) of one agent."""
+    from governance.models import Interaction
+    from governance.tenancy import tenant_context
+
+    with tenant_context(app.tenant):
+        qs = Interaction.objects.filter(agent__name=agent)
+        return qs.count(), qs.exclude(state=Interaction.State.CAPTURED).count()
+
+
+def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,
+                 due: Callable[[int], float] | None) -> None:
+    """One agent session with the openai client: call k sends request_messages(turns, k, mode)
+    and must get back the tool call that turns[k + 1] starts with (the proxy changed nothing)."""
+    import openai
+
+    client = openai.OpenAI(base_url=app.base_url, api_key=app.keys[agent], max_retries=0,
+                           timeout=300)
+    session = f"bench-{uuid.uuid4().hex}"
+    for k in range(len(turns)):
+        if due is not None:
+            time.sleep(max(0.0, due(k) - time.time()))
+        headers = {"X-Steward-Session": session if mode == "session"
+                   else f"bench-{uuid.uuid4().hex}"} if mode != "inferred" else {}
+        reply = client.chat.completions.create(model=MODEL, tools=TOOLS, extra_headers=headers,
+                                               messages=request_messages(turns, k, mode))
+        want = assistant_for(turns[k][-1])["tool_calls"][0]["id"]
+        got = (reply.choices[0].message.tool_calls or [None])[0]
+        if got is None or got.id != want:
+            raise RuntimeError(f"call {k}: the upstream's tool call did not come back intact")
+
+
+def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
+        rate: float | None, drain_timeout: float) -> dict:
+    """Send `scripts` (one per concurrent session) as `mode`; wait until every call is a step.
+    `rate`: calls/s over all sessions (None: each call as soon as the previous one answered)."""
+    import orjson
+
+    from governance.capture.atdp import trajectory_document
+    from governance.models import Step, Trajectory
+    from governance.tenancy import tenant_context
+
+    calls = sum(len(s) for s in scripts)
+    before = table_sizes()
+    errors: list[BaseException] = []
+    t0 = time.time()
+
+    def session(i: int) -> None:
+        # Paced: the sessions' calls interleave, call k of session i at (k * S + i) / rate.
+        due = None if rate is None else (lambda k: t0 + (k * len(scripts) + i) / rate)
+        try:
+            send_session(app, agent, scripts[i], mode, due)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(len(scripts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sent_s = time.time() - t0
+    if errors:
+        raise SystemExit(f"{mode}: sending failed: {errors[0]!r}; logs in {app.tmp}")
+    deadline = time.monotonic() + drain_timeout
+    while True:
+        shipped, done = built(app, agent)
+        if done >= calls or time.monotonic() > deadline:
+            break
+        app.check_alive()
+        time.sleep(0.25)
+    after = table_sizes()
+    with tenant_context(app.tenant):
+        rows = list(Step.objects.filter(trajectory__agent__name=agent)
+                    .values_list("created_at", "interaction__started_at"))
+        trajectories = list(Trajectory.objects.filter(agent__name=agent)
+                            .select_related("tenant", "agent"))
+        atdp = sum(len(orjson.dumps(trajectory_document(t), default=str)) for t in trajectories)
+        steps_per_trajectory = sorted(t.steps.count() for t in trajectories)
+    if len(rows) < calls:
+        app.failed.append(f"{mode}/{agent}: {len(rows)} steps of {calls} calls "
+                          f"({shipped} shipped)")
+    last = max((r[0].timestamp() for r in rows), default=float("nan"))
+    lags = [(c - s).total_seconds() for c, s in rows if s is not None]
+    growth = {t: after.get(t, 0) - before.get(t, 0) for t in after}
+    new_bytes = sum(message_bytes(turn) for s in scripts for turn in s)
+    elapsed = last - t0
+    return {
+        "mode": mode, "calls": calls, "steps": len(rows), "sent_s": round(sent_s, 2),
+        "time_to_sanitized_s": round(elapsed, 2),
+        "calls_per_s": round(calls / elapsed, 3) if elapsed > 0 else None,
+        "lag_p50_s": round(statistics.median(lags), 2) if lags else None,
+        "lag_p95_s": round(percentile(lags, 95), 2) if lags else None,
+        "db_growth_bytes": sum(growth.values()),
+        "db_growth_top": dict(sorted(growth.items(), key=lambda kv: -kv[1])[:5]),
+        "atdp_bytes": atdp, "trajectories": len(trajectories),
+        "steps_per_trajectory": [steps_per_trajectory[0], steps_per_trajectory[-1]]
+        if steps_per_trajectory else [],
+        "new_bytes_per_call": round(new_bytes / calls),
+        "db_bytes_per_call": round(sum(growth.values()) / calls),
+        "rate": rate,
+    }
+
+
+def ner_floor(nlp: Any, scripts: list[list[list[dict]]]) -> float:
+    """Calls/s of spaCy NER alone over just the new text of the calls (batched as the
+    sanitizer batches: nlp.pipe over the texts of many calls)."""
+    texts = [t for s in scripts for turn in s for t in new_texts(turn)]
+    list(nlp.pipe(texts[:8]))  # warm
+    t0 = time.perf_counter()
+    for _ in nlp.pipe(texts, batch_size=64):
+        pass
+    return sum(len(s) for s in scripts) / (time.perf_counter() - t0)
+
+
+# --- the bench ----------------------------------------------------------------------------------
+
+def agent_name(shape: int, mode: str, paced: bool = False) -> str:
+    return f"bench-{shape}-{mode}{'-paced' if paced else ''}"
+
+
+def bench(args: argparse.Namespace) -> dict:
+    """Every shape and mode through one appliance; the figures as a dict."""
+    server = args.pg
+    broker = args.redis
+    require_services(server, broker)
+    modes = ["one-off", "session"] + (["inferred"] if args.inferred else [])
+    agents = ["bench-warmup"] + [agent_name(n, m) for n in args.shapes for m in modes]
+    if args.paced_shape:
+        agents.append(agent_name(args.paced_shape, "session", paced=True))
+    started = time.time()
+    with appliance(server, broker, agents, keep_db=args.keep) as app:
+        from governance.sanitizer import load_nlp
+
+        # The model loads (tens of seconds on a busy 2-core machine) while the worker starts.
+        loaded: dict[str, Any] = {}
+        loader = threading.Thread(target=lambda: loaded.update(nlp=load_nlp(True)))
+        loader.start()
+        warm = [script(1, 2, 1024)]
+        t0 = time.monotonic()
+        run(app, "bench-warmup", warm, "session", None, args.drain_timeout)
+        app.warmup_s = round(time.monotonic() - t0, 1)
+        loader.join()
+        nlp = loaded["nlp"]  # as the sanitizer loads it (governance.sanitizer.core)
+        shapes: list[dict] = []
+        for n in args.shapes:
+            kb = new_kb_for(args, n)
+            scripts = [script(1000 * n + i, n, int(kb * 1024)) for i in range(args.sessions)]
+            runs = {m: run(app, agent_name(n, m), scripts, m, None, args.drain_timeout)
+                    for m in modes}
+            entry = {"calls_per_session": n, "sessions": args.sessions,
+                     "new_kb_per_call": round(kb, 2),
+                     "context_kb_last_call": round(message_bytes(
+                         request_messages(scripts[0], n - 1, "session") + TOOLS) / 1024, 1),
+                     "ner_floor_calls_per_s": round(ner_floor(nlp, scripts), 2), "runs": runs}
+            if n == args.paced_shape:
+                sustained = runs["session"]["calls_per_s"] or 0.1
+                entry["paced"] = run(app, agent_name(n, "session", True), scripts, "session",
+                                     args.paced_fraction * sustained, args.drain_timeout)
+            shapes.append(entry)
+            print(shape_table(entry), flush=True)
+        failed = list(app.failed)
+        warmup_s = app.warmup_s
+    return {"shapes": shapes, "failed": failed, "warmup_s": warmup_s,
+            "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
+def targets(entry: dict) -> list[tuple[str, float | None, float, bool]]:
+    """(what, figure, target, met) for the issue's targets that apply to this shape."""
+    n, s, o = entry["calls_per_session"], entry["runs"]["session"], entry["runs"]["one-off"]
+    out = []
+    if n in RATIO_TARGETS:
+        limit = RATIO_TARGETS[n]
+        for what, key in (("time ratio", "time_to_sanitized_s"), ("db ratio", "db_growth_bytes")):
+            r = ratio(s[key], o[key])
+            out.append((f"{what} at {n}", r, limit, r is not None and r <= limit))
+    per = ratio(s["db_bytes_per_call"], s["new_bytes_per_call"])
+    out.append(("session db bytes / new byte", per, BYTES_PER_NEW_BYTE_TARGET,
+                per is not None and per <= BYTES_PER_NEW_BYTE_TARGET))
+    if n == 60:
+        f = ratio(entry["ner_floor_calls_per_s"], s["calls_per_s"])
+        out.append(("NER floor / sustained calls/s", f, FLOOR_FACTOR_TARGET,
+                    f is not None and f <= FLOOR_FACTOR_TARGET))
+    if "paced" in entry:
+        p95 = entry["paced"]["lag_p95_s"]
+        out.append((f"paced lag p95 s ({entry['paced']['rate']:.2f} calls/s)", p95,
+                    LAG_P95_TARGET_S, p95 is not None and p95 < LAG_P95_TARGET_S))
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def shape_table(entry: dict) -> str:
+    runs = entry["runs"]
+    modes = [m for m in MODES if m in runs]
+    mb = 1024 * 1024
+    rows: list[tuple[str, Callable[[dict], Any]]] = [
+        ("time until every step is sanitized s", lambda r: r["time_to_sanitized_s"]),
+        ("  of which sending s", lambda r: r["sent_s"]),
+        ("database growth MB", lambda r: r["db_growth_bytes"] / mb),
+        ("ATDP documents MB", lambda r: r["atdp_bytes"] / mb),
+        ("database KB per call", lambda r: r["db_bytes_per_call"] / 1024),
+        ("new content KB per call", lambda r: r["new_bytes_per_call"] / 1024),
+        ("database bytes / new byte", lambda r: ratio(r["db_bytes_per_call"],
+                                                      r["new_bytes_per_call"])),
+        ("sustained calls/s", lambda r: r["calls_per_s"]),
+        ("step lag p50 s", lambda r: r["lag_p50_s"]),
+        ("step lag p95 s", lambda r: r["lag_p95_s"]),
+        ("trajectories", lambda r: r["trajectories"]),
+        ("steps", lambda r: r["steps"]),
+    ]
+    head = (f"\n== {entry['calls_per_session']} calls x {entry['sessions']} sessions, "
+            f"{entry['new_kb_per_call']} KB new content per call, "
+            f"{entry['context_kb_last_call']} KB context at the last call ==")
+    cols = "".join(f"{m:>12}" for m in modes) + "".join(
+        f"{m + '/1-off':>15}" for m in modes if m != "one-off")
+    lines = [head, f"{'':38}{cols}"]
+    for label, get in rows:
+        values = {m: get(runs[m]) for m in modes}
+        line = f"{label:38}" + "".join(f"{_fmt(values[m]):>12}" for m in modes)
+        if not label.startswith(("trajectories", "steps", "new content", "  of which")):
+            line += "".join(f"{_fmt(ratio(values[m], values['one-off'])):>15}"
+                            for m in modes if m != "one-off")
+        lines.append(line)
+    floor = entry["ner_floor_calls_per_s"]
+    lines.append(f"{'NER floor calls/s (spaCy, new text)':38}{_fmt(floor):>12}   "
+                 f"floor / session sustained: "
+                 f"{_fmt(ratio(floor, runs['session']['calls_per_s']))}x")
+    if "paced" in entry:
+        p = entry["paced"]
+        lines.append(f"{'paced session run':38}{p['rate']:.2f} calls/s offered: "
+                     f"lag p50 {_fmt(p['lag_p50_s'])} s, p95 {_fmt(p['lag_p95_s'])} s, "
+                     f"sustained {_fmt(p['calls_per_s'])} calls/s")
+    for what, value, limit, met in targets(entry):
+        lines.append(f"target {what:<48} {_fmt(value):>8} <= {limit:<5} "
+                     f"{'met' if met else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def summary_table(result: dict) -> str:
+    lines = ["\n== session / one-off (issue 16's table) ==",
+             f"{'session length':>15} {'time to sanitized':>26} {'database growth':>28} "
+             f"{'ATDP':>7} {'db/new byte':>12}"]
+    for e in result["shapes"]:
+        s, o = e["runs"]["session"], e["runs"]["one-off"]
+        mb = 1024 * 1024
+        lines.append(
+            f"{e['calls_per_session']:>9} calls "
+            f"{_fmt(ratio(s['time_to_sanitized_s'], o['time_to_sanitized_s'])) + 'x':>7} "
+            f"({_fmt(s['time_to_sanitized_s'])} s vs {_fmt(o['time_to_sanitized_s'])} s)"
+            f"{_fmt(ratio(s['db_growth_bytes'], o['db_growth_bytes'])) + 'x':>8} "
+            f"({s['db_growth_bytes'] / mb:.1f} MB vs {o['db_growth_bytes'] / mb:.1f} MB)"
+            f"{_fmt(ratio(s['atdp_bytes'], o['atdp_bytes'])) + 'x':>8}"
+            f"{_fmt(ratio(s['db_bytes_per_call'], s['new_bytes_per_call'])):>12}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    server = os.environ.get("DATABASE_URL")
+    broker = os.environ.get("CELERY_BROKER_URL", "")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.split("\n")[4:]))
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated session lengths in calls (default 10,60,200; "
+                         "--quick: 10)")
+    ap.add_argument("--sessions", type=int, default=None,
+                    help="sessions sent concurrently per shape and mode, each by its own "
+                         "thread (default 2; --quick: 1)")
+    ap.add_argument("--new-kb", type=float, default=None,
+                    help="new content per call in KB: the assistant's tool call plus the tool "
+                         "result (default 3; --quick: 1)")
+    ap.add_argument("--context-kb", type=float, default=0,
+                    help="instead of --new-kb: size each shape's new content so that its last "
+                         "call carries about this many KB of context (e.g. 100 for 200 calls); "
+                         "a turn (tool call + one customer record) is at least ~0.6 KB, so "
+                         "200 calls reach ~130 KB at the least (the table prints the context "
+                         "reached)")
+    ap.add_argument("--inferred", action="store_true",
+                    help="also run each session without X-Steward-Session (the proxy infers "
+                         "the trajectory from the conversation prefix)")
+    ap.add_argument("--paced-shape", type=int, default=None,
+                    help="run this shape's sessions once more, paced below the sustained rate "
+                         "just measured, for the lag p95 at that rate (default 60 when 60 is "
+                         "among the shapes and not --quick; 0: never)")
+    ap.add_argument("--paced-fraction", type=float, default=0.8,
+                    help="the paced run's rate as a fraction of the session run's sustained "
+                         "calls/s (default 0.8)")
+    ap.add_argument("--drain-timeout", type=float, default=3600,
+                    help="seconds to wait for a run's steps after its last call (default 3600)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a fast run: shape 10, one session, 1 KB per call, no paced run "
+                         "(options given explicitly still win)")
+    ap.add_argument("--pg", default=with_db(server, "postgres") if server else DEFAULT_SERVER,
+                    help="PostgreSQL maintenance database URL where the throwaway database is "
+                         "created (default: DATABASE_URL's server, else " + DEFAULT_SERVER + ")")
+    ap.add_argument("--redis", default=broker if broker.startswith(("redis://", "rediss://"))
+                    else DEFAULT_REDIS,
+                    help="Redis broker URL (default: CELERY_BROKER_URL when it is redis://, "
+                         "else " + DEFAULT_REDIS + "); the run's keys carry their own prefix")
+    ap.add_argument("--keep", action="store_true", help="keep the throwaway database")
+    ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit 2 when an issue-16 target is missed")
+    args = ap.parse_args(argv)
+    shapes = args.shapes or ("10" if args.quick else "10,60,200")
+    args.shapes = [int(s) for s in shapes.split(",") if s.strip()]
+    if not args.shapes or min(args.shapes) < 2:
+        ap.error("--shapes: session lengths of at least 2 calls")
+    args.sessions = args.sessions or (1 if args.quick else 2)
+    args.new_kb = args.new_kb or (1.0 if args.quick else 3.0)
+    if args.paced_shape is None:
+        args.paced_shape = 60 if 60 in args.shapes and not args.quick else 0
+    elif args.paced_shape and args.paced_shape not in args.shapes:
+        ap.error("--paced-shape must be one of --shapes")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = bench(args)
+    print(summary_table(result))
+    print(f"\nwall {result['wall_s']} s, warm-up {result['warmup_s']} s, {result['cpus']} CPUs, "
+          f"load average {result['load_avg_1m']}")
+    for line in result["failed"]:
+        print(f"FAILED: {line}")
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if result["failed"]:
+        return 1
+    missed = [t for e in result["shapes"] for t in targets(e) if not t[3]]
+    return 2 if args.strict and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""tests/bench/long_sessions.py keeps working: its bodies (the session and its one-off baseline
+carry the same new messages), a tiny run of its core through the real proxy, shipper and worker,
+and its clear errors when PostgreSQL or Redis is not there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.bench.long_sessions import (
+    SYSTEM_PROMPT,
+    assistant_for,
+    message_bytes,
+    new_texts,
+    request_messages,
+    script,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "tests" / "bench" / "long_sessions.py"
+
+
+def test_session_and_one_off_carry_the_same_new_messages():
+    turns = script(7, 6, 2048)
+    assert len(turns) == 6
+    for k in range(6):
+        session = request_messages(turns, k, "session")
+        one_off = request_messages(turns, k, "one-off")
+        assert session[0] == one_off[0] == {"role": "system", "content": SYSTEM_PROMPT}
+        assert one_off[1:] == turns[k]
+        assert session[-len(turns[k]):] == turns[k]
+        # The history: everything the calls before sent, in order.
+        assert session[1:-len(turns[k])] == [m for t in turns[:k] for m in t]
+    for k in range(1, 6):
+        reply, tool = turns[k]
+        # Each turn starts with the upstream's answer to the previous call, and the tool
+        # result answers that call.
+        assert reply == assistant_for(turns[k - 1][-1])
+        assert tool["tool_call_id"] == reply["tool_calls"][0]["id"]
+        assert 1800 <= message_bytes(turns[k]) <= 3000
+        # Personal data in the new content: emails and the tool call's arguments.
+        assert "@" in tool["content"]
+        assert any(reply["tool_calls"][0]["function"]["arguments"] == t
+                   for t in new_texts(turns[k]))
+    assert len(SYSTEM_PROMPT) > 1800
+    # Seeded: the same bodies every run, other seeds other people.
+    assert script(7, 6, 2048) == turns
+    assert script(8, 6, 2048)[1] != turns[1]
+
+
+def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.slow
+def test_tiny_run_through_the_real_appliance(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = _bench("--shapes", "3", "--sessions", "1", "--new-kb", "1", "--paced-shape", "3",
+                  "--json", str(out), timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["failed"] == []
+    (shape,) = result["shapes"]
+    runs = shape["runs"]
+    assert set(runs) == {"one-off", "session"}
+    for run in (*runs.values(), shape["paced"]):
+        assert run["calls"] == run["steps"] == 3
+        assert run["db_growth_bytes"] > 0 and run["atdp_bytes"] > 0
+        assert run["time_to_sanitized_s"] > 0 and run["lag_p95_s"] is not None
+    # One trajectory of three steps for the session, three of one for the one-off calls.
+    assert (runs["session"]["trajectories"], runs["session"]["steps_per_trajectory"]) == (1, [3, 3])
+    assert (runs["one-off"]["trajectories"], runs["one-off"]["steps_per_trajectory"]) == (3, [1, 1])
+    assert runs["session"]["new_bytes_per_call"] == runs["one-off"]["new_bytes_per_call"]
+    assert shape["ner_floor_calls_per_s"] > 0
+    assert shape["paced"]["rate"] < runs["session"]["calls_per_s"]
+    # The printed table names every figure side by side.
+    for label in ("time until every step is sanitized", "database growth MB",
+                  "ATDP documents MB", "database bytes / new byte", "NER floor calls/s",
+                  "session/1-off", "issue 16's table"):
+        assert label in proc.stdout
+
+
+@pytest.mark.parametrize("option, url, service", [
+    ("--pg", "postgresql://postgres@127.0.0.1:1/postgres", "PostgreSQL"),
+    ("--redis", "redis://127.0.0.1:1/0", "Redis"),
+])
+def test_a_missing_service_is_a_clear_error(option, url, service):
+    proc = _bench("--quick", option, url, timeout=120)
+    assert proc.returncode != 0
+    assert f"{service} is not reachable at {url}" in proc.stderr
+    assert "Traceback" not in proc.stderr
