@@ -214,8 +214,12 @@ def open_raw(interaction: Interaction, bodies: dict[str, bytes] | None = None
     base_flow = str(delta.get("base") or "")
     base_body = bodies.get(base_flow)
     if base_body is None:
-        base = (Interaction.objects.filter(flow_id=base_flow).select_related("data_key")
-                .first())
+        from governance.tenancy import tenant_context
+
+        # The base is the interaction's own tenant's (its trajectory's previous call).
+        with tenant_context(interaction.tenant_id):
+            base = (Interaction.objects.filter(flow_id=base_flow).select_related("data_key")
+                    .first())
         if base is None:
             raise RawPayloadUnavailable(f"the base payload of this delta ({base_flow}) is gone")
         open_raw(base, bodies)
