@@ -22,6 +22,12 @@ from governance import recognizers as R
 
 DATA = Path(__file__).parent / "data"
 TOP_RANK = 1000
+# The broad lists add names ranked 1,001-5,000 in some country ("Wisława", "Irenke",
+# "Einojuhani"), less the common English words among them (wordfreq Zipf >= 3: "Block",
+# "Glad", "Radio"). They count for capitalised words only: in lower-case text a name needs
+# the top-1,000 lists ("block it", "glad to hear").
+BROAD_RANK = 5000
+BROAD_MAX_ZIPF = 3.0
 
 # English words that are also names somewhere: never a name on the gazetteer's word alone.
 _ENGLISH = frozenset("""
@@ -46,26 +52,68 @@ number name account card order data file line note page item list table view rep
 """.split())
 
 
-def _load(kind: str) -> frozenset[str]:
-    with gzip.open(DATA / f"{kind}_names.txt.gz", "rt", encoding="utf-8") as f:
-        return frozenset(w.casefold() for w in f.read().split())
+def _load(name: str) -> frozenset[str]:
+    return frozenset(_load_words(name))
 
 
 @lru_cache(maxsize=1)
 def gazetteer() -> tuple[frozenset[str], frozenset[str]]:
-    """(first names, last names), case-folded."""
-    return _load("first"), _load("last")
+    """(first names, last names), case-folded: the top 1,000 of each country."""
+    return _load("first_names"), _load("last_names")
+
+
+class _HashSet:
+    """Membership in a large word list at 8 bytes a word: the sorted hashes of the words in a
+    numpy array, looked up by bisection (a frozenset of the 411k broad names costs ~60 MB a
+    process). Python's string hash is per process, so the array is built at load; a collision
+    makes a non-name a name with odds ~1e-14 a lookup."""
+
+    def __init__(self, words: Iterable[str]):
+        import numpy as np
+
+        self._keys = np.unique(np.fromiter((hash(w) for w in words), dtype=np.int64))
+
+    def __contains__(self, word: str) -> bool:
+        k = hash(word)
+        i = int(self._keys.searchsorted(k))
+        return i < len(self._keys) and int(self._keys[i]) == k
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _load_words(name: str) -> list[str]:
+    with gzip.open(DATA / f"{name}.txt.gz", "rt", encoding="utf-8") as f:
+        return [w.casefold() for w in f.read().split()]
+
+
+@lru_cache(maxsize=1)
+def broad_gazetteer() -> tuple[_HashSet, _HashSet]:
+    """(first names, last names) ranked 1,001-5,000 in some country, not in `gazetteer()`."""
+    return _HashSet(_load_words("first_names_more")), _HashSet(_load_words("last_names_more"))
+
+
+def _fold(word: str) -> str:
+    return word.casefold().strip(".,:;'\"’")
 
 
 def is_first(word: str) -> bool:
-    w = word.casefold().strip(".,:;'\"’")
-    return w not in _ENGLISH and w in gazetteer()[0]
+    w = _fold(word)
+    return w not in _ENGLISH and (w in gazetteer()[0] or (
+        word[:1].isupper() and w in broad_gazetteer()[0]))
 
 
 def is_name(word: str) -> bool:
-    w = word.casefold().strip(".,:;'\"’")
+    w = _fold(word)
+    if w in _ENGLISH:
+        return False
     first, last = gazetteer()
-    return w not in _ENGLISH and (w in first or w in last)
+    if w in first or w in last:
+        return True
+    if not word[:1].isupper():
+        return False
+    more_first, more_last = broad_gazetteer()
+    return w in more_first or w in more_last
 
 
 _INITIAL = re.compile(r"[A-Za-z]\.?")
@@ -232,21 +280,29 @@ def reclassify_as_person(label: str, value: str) -> bool:
     return False
 
 
-def build(top_rank: int = TOP_RANK) -> None:  # pragma: no cover - a maintainer's tool
+def build() -> None:  # pragma: no cover - a maintainer's tool
+    """Write data/*_names.txt.gz (rank <= TOP_RANK) and data/*_names_more.txt.gz (TOP_RANK <
+    rank <= BROAD_RANK, less common English words) from names-dataset; needs the `gazetteer`
+    dependency group (names-dataset, wordfreq)."""
     import pickle
 
     import names_dataset  # noqa: F401 - only to find its data files
+    from wordfreq import zipf_frequency
 
     root = Path(names_dataset.__file__).parent / "v3"
     for kind in ("first", "last"):
         with gzip.open(root / f"{kind}_names.pkl.gz") as f:
             data = pickle.load(f)  # noqa: S301 - the package's own data file
-        keep = sorted({k for k, v in data.items() if v.get("rank")
-                       and min(v["rank"].values()) <= top_rank and len(k) >= 2 and k.isalpha()})
+        best = {k: min(v["rank"].values()) for k, v in data.items()
+                if v.get("rank") and len(k) >= 2 and k.isalpha()}
         del data
-        with gzip.open(DATA / f"{kind}_names.txt.gz", "wt", encoding="utf-8") as f:
-            f.write("\n".join(keep) + "\n")
-        print(kind, len(keep), file=sys.stderr)
+        core = sorted(k for k, r in best.items() if r <= TOP_RANK)
+        more = sorted(k for k, r in best.items() if TOP_RANK < r <= BROAD_RANK
+                      and zipf_frequency(k.casefold(), "en") < BROAD_MAX_ZIPF)
+        for name, keep in ((f"{kind}_names", core), (f"{kind}_names_more", more)):
+            with gzip.open(DATA / f"{name}.txt.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(keep) + "\n")
+            print(name, len(keep), file=sys.stderr)
 
 
 if __name__ == "__main__":
