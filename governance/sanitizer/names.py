@@ -93,6 +93,13 @@ def broad_gazetteer() -> tuple[_HashSet, _HashSet]:
     return _HashSet(_load_words("first_names_more")), _HashSet(_load_words("last_names_more"))
 
 
+@lru_cache(maxsize=1)
+def english_names() -> frozenset[str]:
+    """Top-1,000 names that are also common English words (wordfreq Zipf >= 3: "main", "sha",
+    "block", "chad"): in lower-case text after a weak cue ("with", "to") they are words."""
+    return _load("english_names")
+
+
 def _fold(word: str) -> str:
     return word.casefold().strip(".,:;'\"’")
 
@@ -146,6 +153,7 @@ _LOWER_CUE = re.compile(
     r"\b(?i:my name is|name is|name:|i'm|i am|this is|dear|hi|hello|mr\.?|mrs\.?|ms\.?|"
     r"dr\.?|with|from|to|by|for|of|called|named|contact|customer|client|patient)[ \t]+"
     r"([a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]+(?:[a-z]\.?[ \t]+)?[a-zà-ÿ][a-zà-ÿ'’\-]+){0,2})")
+_WEAK_LOWER_CUES = frozenset({"with", "from", "to", "by", "for", "of"})
 _LOWER_LINE = re.compile(r"(?m)^[ \t]*([a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]+[a-z]\.?)?[ \t]+"
                          r"[a-zà-ÿ][a-zà-ÿ'’\-]+)[ \t]*$")
 
@@ -228,6 +236,9 @@ class GazetteerNameRecognizer:
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_line")
         for m in _STRONG_CUE.finditer(text):
             word = m.group(1)
+            # "my manager Reviewed the PR": a past tense or a gerund is no name, unless known.
+            if word.casefold().endswith(("ed", "ing")) and not is_name(word):
+                continue
             if word.casefold() not in _ENGLISH and word.casefold() not in R.AGENT_VOCAB:
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.7, "name_cue")
         for rx in (_WEAK_BEFORE, _WEAK_AFTER):
@@ -240,6 +251,8 @@ class GazetteerNameRecognizer:
                     yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_cue")
         members = [(m.start(m.lastindex), m.end(m.lastindex), m.group(m.lastindex))
                    for m in _LIST.finditer(text)]
+        # "ship to Jordan and Chad": countries are no list of people.
+        members = [x for x in members if x[2].casefold() not in R.country_names()]
         named = [x for x in members if all_names(x[2], need_first=False)]
         if len(named) >= 2:
             # Two known names make it a list of people: its other one-word members are too
@@ -256,6 +269,11 @@ class GazetteerNameRecognizer:
                 for m in rx.finditer(text):
                     value = m.group(1)
                     words = value.split()
+                    cue = text[m.start():m.start(1)].strip().casefold()
+                    if rx is _LOWER_CUE and cue in _WEAK_LOWER_CUES:
+                        # "with sha 3f2a9c1", "to main": a weak cue takes no English word.
+                        common = [i for i, w in enumerate(words) if _fold(w) in english_names()]
+                        words = words[:common[0]] if common else words
                     # Take the longest run of leading words that are all names.
                     while words and not all_names(" ".join(words), need_first=False):
                         words.pop()
@@ -290,6 +308,7 @@ def build() -> None:  # pragma: no cover - a maintainer's tool
     from wordfreq import zipf_frequency
 
     root = Path(names_dataset.__file__).parent / "v3"
+    common: set[str] = set()
     for kind in ("first", "last"):
         with gzip.open(root / f"{kind}_names.pkl.gz") as f:
             data = pickle.load(f)  # noqa: S301 - the package's own data file
@@ -300,9 +319,15 @@ def build() -> None:  # pragma: no cover - a maintainer's tool
         more = sorted(k for k, r in best.items() if TOP_RANK < r <= BROAD_RANK
                       and zipf_frequency(k.casefold(), "en") < BROAD_MAX_ZIPF)
         for name, keep in ((f"{kind}_names", core), (f"{kind}_names_more", more)):
-            with gzip.open(DATA / f"{name}.txt.gz", "wt", encoding="utf-8") as f:
-                f.write("\n".join(keep) + "\n")
-            print(name, len(keep), file=sys.stderr)
+            _write(name, keep)
+        common |= {k.casefold() for k in core if zipf_frequency(k.casefold(), "en") >= 3.0}
+    _write("english_names", sorted(common))
+
+
+def _write(name: str, words: list[str]) -> None:  # pragma: no cover - build() only
+    with gzip.open(DATA / f"{name}.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(words) + "\n")
+    print(name, len(words), file=sys.stderr)
 
 
 if __name__ == "__main__":
