@@ -210,6 +210,9 @@ _WEAK_BEFORE = re.compile(
     rf"project|account|instance|node|pool|bucket|deployment|environment|env|endpoint|"
     rf"mirror|queue|edition|version)\b)")
 _PLACE_PREPOSITIONS = frozenset({"to", "for", "from", "with", "by", "and", "under"})
+# After these a city is a destination or an origin ("ship to Dallas"); after "with" or "and"
+# it is as often a person ("with Florence").
+_TO_PLACE = frozenset({"to", "for", "from"})
 _WEAK_AFTER = re.compile(
     rf"(?:^|(?<=[.!?][ \t])|(?<=\n))[ \t]*({_W})(?=[ \t]*,|[ \t]+(?:is|was|has|had|lives|"
     rf"lived|said|says|will|would|can|could|wants|wanted|called|went|works|worked|and)\b)")
@@ -245,14 +248,19 @@ class GazetteerNameRecognizer:
             for m in rx.finditer(text):
                 cue = text[m.start():m.start(1)].strip().casefold()
                 # "ship to Jordan" is a country, "tell Jordan" a person.
-                if cue in _PLACE_PREPOSITIONS and m.group(1).casefold() in R.country_names():
+                word = m.group(1).casefold()
+                if cue in _PLACE_PREPOSITIONS and (word in R.country_names() or (
+                        cue in _TO_PLACE and word in R.city_names())):
                     continue
                 if is_first(m.group(1)) and surname_like(m.group(1)):
                     yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_cue")
         members = [(m.start(m.lastindex), m.end(m.lastindex), m.group(m.lastindex))
                    for m in _LIST.finditer(text)]
-        # "ship to Jordan and Chad": countries are no list of people.
+        # "ship to Jordan and Chad": countries are no list of people; nor is a list made of
+        # cities only ("deploy to Paris and Berlin"; "Morrison, Rogers and Torres" are people).
         members = [x for x in members if x[2].casefold() not in R.country_names()]
+        if all(x[2].casefold() in R.city_names() for x in members):
+            members = []
         named = [x for x in members if all_names(x[2], need_first=False)]
         if len(named) >= 2:
             # Two known names make it a list of people: its other one-word members are too
