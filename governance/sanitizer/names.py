@@ -278,13 +278,14 @@ class GazetteerNameRecognizer:
                     value = m.group(1)
                     words = value.split()
                     cue = text[m.start():m.start(1)].strip().casefold()
-                    if rx is _LOWER_CUE and cue in _WEAK_LOWER_CUES:
-                        # "with sha 3f2a9c1", "to main": a weak cue takes no English word.
-                        common = [i for i, w in enumerate(words) if _fold(w) in english_names()]
-                        words = words[:common[0]] if common else words
                     # Take the longest run of leading words that are all names.
                     while words and not all_names(" ".join(words), need_first=False):
                         words.pop()
+                    # "with sha 3f2a9c1", "to main": after a weak cue one word that is also
+                    # common English is that word ("with patricia desrosiers" is two names).
+                    if (rx is _LOWER_CUE and cue in _WEAK_LOWER_CUES and len(words) == 1
+                            and _fold(words[0]) in english_names()):
+                        continue
                     if words and (len(words) >= 2 or is_first(words[0])):
                         end = m.start(1) + len(" ".join(words)) if " ".join(words) == \
                             value[:len(" ".join(words))] else m.end(1)
