@@ -75,6 +75,12 @@ NEGATIVES = [
 ]
 
 
+def test_comma_before_a_person_is_no_list(sanitizer):
+    """A list partner needs an "and" in the list: "Done, Maria Garcia" keeps "Done"."""
+    out = out_text(sanitizer, "Done, Maria Garcia is updated.")
+    assert out.startswith("Done, <PERSON_") and "Garcia" not in out, out
+
+
 @pytest.mark.parametrize(("text", "kept"), NEGATIVES,
                          ids=[f"precision-{i}" for i in range(len(NEGATIVES))])
 def test_recall_rule_negative(sanitizer, text, kept):

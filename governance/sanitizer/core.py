@@ -363,12 +363,15 @@ _LIST_SEP = re.compile(r"[ \t]*(?:,[ \t]*(?:and[ \t]+|&[ \t]+)?|[ \t]+(?:and|&)[
 
 def _list_partners(text: str, spans: list[R.Span]) -> list[R.Span]:
     """The one-word members of a list ("A, B and C") next to a person span: people too, when
-    they look like surnames and nothing else (a place, an organisation) was found on them."""
+    they look like surnames and nothing else (a place, an organisation) was found on them.
+    A list has an "and" ("Done, Maria Garcia is updated" is no list)."""
     from governance.sanitizer.names import surname_like
 
     out: list[R.Span] = []
     taken = [(s.start, s.end) for s in spans]
     for p in (s for s in spans if s.entity_type == "PERSON" and s.score >= 0.6):
+        found: list[tuple[int, int]] = []
+        has_and = False
         for direction in (-1, 1):
             pos = p.start if direction < 0 else p.end
             while True:
@@ -378,22 +381,25 @@ def _list_partners(text: str, spans: list[R.Span]) -> list[R.Span]:
                     if not word or (word.end() < len(text) and (text[word.end()].isalnum()
                                                                 or text[word.end()] == "-")):
                         break
-                    start, end = word.start(), word.end()
+                    start, end, sep_text = word.start(), word.end(), sep.group(0)
                 else:
                     m = re.search(rf"(?<![\w@.])([{R.UP}][{R.LO}'’\-]+)"
-                                  rf"(?:[ \t]*,[ \t]*(?:and[ \t]+)?|[ \t]+(?:and|&)[ \t]+)$",
+                                  rf"([ \t]*,[ \t]*(?:and[ \t]+)?|[ \t]+(?:and|&)[ \t]+)$",
                                   text[max(0, pos - 60):pos])
                     if not m:
                         break
                     start = max(0, pos - 60) + m.start(1)
-                    end = start + len(m.group(1))
+                    end, sep_text = start + len(m.group(1)), m.group(2)
                 value = text[start:end]
                 if (not surname_like(value) or value.casefold() in R.country_names()
-                        or any(a < end and start < b for a, b in taken)):
+                        or any(a < end and start < b for a, b in taken + found)):
                     break
-                out.append(R.Span("PERSON", start, end, 0.6, "name_list"))
-                taken.append((start, end))
+                has_and = has_and or bool(re.search(r"\band\b|&", sep_text))
+                found.append((start, end))
                 pos = end if direction > 0 else start
+        if has_and:
+            out.extend(R.Span("PERSON", a, b, 0.6, "name_list") for a, b in found)
+            taken.extend(found)
     return out
 
 
