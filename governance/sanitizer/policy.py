@@ -176,7 +176,8 @@ class PlaceholderState:
     def add_person_aliases(self, name: str, label: str, secret: bytes) -> None:
         name = " ".join(name.split()).casefold()
         for part in {name, *name.split()}:
-            part = part.strip(".,")
+            # "Terence Vassiliev's": the later "Vassiliev" is the same person.
+            part = part.strip(".,").removesuffix("'s").removesuffix("’s")
             if len(part) >= 3 and part not in _COMMON_WORDS:
                 self.aliases.setdefault(_mac(secret, "alias", part)[:32], label)
 
