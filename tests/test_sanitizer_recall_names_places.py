@@ -1,4 +1,4 @@
-"""The recall rules added after decision 21 (issue 14, decision 26), each with positive cases
+"""The recall rules added after decision 21 (issue 14, decision 32), each with positive cases
 taken from presidio-research's synthetic set (tests/bench/data) and negative cases from agent
 traffic: the broad name gazetteer, weak lower-case cues, strong cues, list partners, postcodes
 after places, places before postcodes, "moved here from".

@@ -503,6 +503,9 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         trajectories = list(Trajectory.objects.filter(agent__name=agent)
                             .select_related("tenant", "agent"))
         atdp = sum(len(orjson.dumps(trajectory_document(t), default=str)) for t in trajectories)
+        # ATDP's compact form (?form=compact: each step's history as parent + appended).
+        atdp_compact = sum(len(orjson.dumps(trajectory_document(t, compact=True), default=str))
+                           for t in trajectories)
         steps_per_trajectory = sorted(t.steps.count() for t in trajectories)
     if len(rows) < calls:
         app.failed.append(f"{mode}/{agent}: {len(rows)} steps of {calls} calls "
@@ -520,7 +523,8 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         "lag_p95_s": round(percentile(lags, 95), 2) if lags else None,
         "db_growth_bytes": sum(growth.values()),
         "db_growth_top": dict(sorted(growth.items(), key=lambda kv: -kv[1])[:5]),
-        "atdp_bytes": atdp, "trajectories": len(trajectories),
+        "atdp_bytes": atdp, "atdp_compact_bytes": atdp_compact,
+        "trajectories": len(trajectories),
         "steps_per_trajectory": [steps_per_trajectory[0], steps_per_trajectory[-1]]
         if steps_per_trajectory else [],
         "new_bytes_per_call": round(new_bytes / calls),
@@ -637,6 +641,7 @@ def shape_table(entry: dict) -> str:
         ("  of which sending s", lambda r: r["sent_s"]),
         ("database growth MB", lambda r: r["db_growth_bytes"] / mb),
         ("ATDP documents MB", lambda r: r["atdp_bytes"] / mb),
+        ("ATDP documents, compact form MB", lambda r: r["atdp_compact_bytes"] / mb),
         ("database KB per call", lambda r: r["db_bytes_per_call"] / 1024),
         ("new content KB per call", lambda r: r["new_bytes_per_call"] / 1024),
         ("database bytes / new byte", lambda r: ratio(r["db_bytes_per_call"],
@@ -678,7 +683,7 @@ def shape_table(entry: dict) -> str:
 def summary_table(result: dict) -> str:
     lines = ["\n== session / one-off (issue 16's table) ==",
              f"{'session length':>15} {'time to sanitized':>26} {'database growth':>28} "
-             f"{'ATDP':>7} {'db/new byte':>12}"]
+             f"{'ATDP':>7} {'compact':>8} {'db/new byte':>12}"]
     for e in result["shapes"]:
         s, o = e["runs"]["session"], e["runs"]["one-off"]
         mb = 1024 * 1024
@@ -689,6 +694,7 @@ def summary_table(result: dict) -> str:
             f"{_fmt(ratio(s['db_growth_bytes'], o['db_growth_bytes'])) + 'x':>8} "
             f"({s['db_growth_bytes'] / mb:.1f} MB vs {o['db_growth_bytes'] / mb:.1f} MB)"
             f"{_fmt(ratio(s['atdp_bytes'], o['atdp_bytes'])) + 'x':>8}"
+            f"{_fmt(ratio(s['atdp_compact_bytes'], o['atdp_compact_bytes'])) + 'x':>9}"
             f"{_fmt(ratio(s['db_bytes_per_call'], s['new_bytes_per_call'])):>12}")
     return "\n".join(lines)
 
