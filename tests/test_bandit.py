@@ -44,8 +44,12 @@ REVIEWED_MEDIUM: dict[tuple[str, str], tuple[int, str]] = {
     ("governance/services.py", "B608"): (
         2, "table name from the model's _meta; the subquery is Django's own compiled SQL with "
         "its parameters bound"),
+    ("governance/capture/conversation.py", "B608"): (
+        2, "the recursive parent-chain query and the unreferenced-items query: table names "
+        "from the models' _meta, quoted by connection.ops.quote_name; ids are bound "
+        "parameters"),
     ("governance/erasure.py", "B608"): (
-        13, "table names from _table(<constant model name>) (the model's _meta, quoted); "
+        14, "table names from _table(<constant model name>) (the model's _meta, quoted); "
         "every value (tenant, ids, hashes) is a bound parameter"),
     ("trainer/rollout.py", "B310"): (
         1, "POSTs to the inference server URL the operator configured (SGLang admin API); "
