@@ -30,9 +30,22 @@ def pgdata_dir(var_dir: Path) -> Path:
     return Path(var_dir).resolve() / "pg"
 
 
+def _sbin_on_path() -> None:
+    """As root, pgserver creates its system user with `useradd` (PostgreSQL refuses to run as
+    root), found through PATH; a minimal PATH (/usr/bin:/bin: cron, a bare `env -i`) lacks
+    /usr/sbin, and the first start on a fresh machine failed with FileNotFoundError."""
+    if os.geteuid() != 0:
+        return
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    missing = [d for d in ("/usr/sbin", "/sbin") if d not in parts]
+    if missing:
+        os.environ["PATH"] = os.pathsep.join([p for p in parts if p] + missing)
+
+
 def _server(var_dir: Path):
     import pgserver
 
+    _sbin_on_path()
     pgdata = pgdata_dir(var_dir)
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     # Several processes may start at once (web, worker, beat): serialise the first start.
@@ -249,6 +262,7 @@ def test_server_url(var_dir: Path) -> str:
     (TEST_BROKER_DATABASE, kombu's SQLAlchemy transport) exists too."""
     from pgserver._commands import initdb, pg_ctl
 
+    _sbin_on_path()
     pgdata = test_pgdata_dir(var_dir)
     pgdata.mkdir(parents=True, exist_ok=True)
     user = None

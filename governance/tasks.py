@@ -358,11 +358,13 @@ def _plan_history(write: _StepWrite, result: Sanitized, fields: dict,
 
 
 def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, TrajectoryItems],
-                new_items: dict[tuple[Any, str], NewItem], version: str) -> None:
+                new_items: dict[tuple[Any, str], NewItem], version: str
+                ) -> list[tuple[Interaction, str]]:
     """Store the conversation items the batch's steps reference that are not stored yet (one
     INSERT; an item another worker stored meanwhile is read back, not duplicated), each with
     its findings and subject-index rows on the first step carrying it; then fill each step's
-    `appended` and `item_refs` with item ids."""
+    `appended` and `item_refs` with item ids. Returns the interactions whose steps cannot be
+    stored (an item of theirs refused by the database), removed from `writes`."""
     rows: dict[tuple[Any, str], ConversationItem] = {}
     owners: dict[tuple[Any, str], _StepWrite] = {}
     for w in writes:
@@ -380,10 +382,10 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
                 sanitizer_version=version, content=known[tid].content[digest],
                 first_step=w.step.pk)
             owners[key] = w
-    inserted = insert_ignore_conflicts(list(rows.values()), ("id", "trajectory_id", "digest"))
+    inserted, refused = _insert_items(rows)
     for pk, tid, digest in inserted:
         known[tid].ids[digest] = pk
-    missing = {k for k in rows if k[1] not in known[k[0]].ids}
+    missing = {k for k in rows if k[1] not in known[k[0]].ids and k not in refused}
     if missing:  # stored by another worker between our read and our insert
         again = known_items({t for t, _ in missing}, {d for _, d in missing}, version)
         for tid, items in again.items():
@@ -397,13 +399,58 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         ia = w.interaction
         w.findings.extend(_finding(ia, f, version, item_id) for f in item.findings)
         w.index_rows.extend(_index_rows(ia, item.identifiers, item_id))
+    # A step holding an item the database refused (a value jsonb cannot store, e.g. \u0000)
+    # is not stored either; a step extending one of those keeps its whole history itself.
+    out: list[tuple[Interaction, str]] = []
+    dropped: set[Any] = set()
     for w in writes:
         if w.step is None:
             continue
-        ids = known[w.interaction.trajectory_id].ids
+        tid = w.interaction.trajectory_id
+        bad = [refused[(tid, d)] for d in [*w.history, *w.refs.values()] if (tid, d) in refused]
+        if bad:
+            out.append((w.interaction, bad[0]))
+            dropped.add(w.step.pk)
+            continue
+        ids = known[tid].ids
         w.step.appended = [ids[d] for d in w.appended]
         w.step.item_refs = {name: ids[d] for name, d in w.refs.items()}
         w.full_history = [ids[d] for d in w.history]
+        if w.step.parent_step in dropped:
+            w.step.parent_step, w.step.kept = None, 0
+            w.step.appended = list(w.full_history)
+    writes[:] = [w for w in writes if w.step is None or w.step.pk not in dropped]
+    return out
+
+
+def _insert_items(rows: dict[tuple[Any, str], ConversationItem]
+                  ) -> tuple[list[tuple], dict[tuple[Any, str], str]]:
+    """Insert the batch's new items in one statement (in a savepoint); when PostgreSQL refuses
+    it, one by one, so only the items it refuses (and the steps holding them) are lost.
+    Returns (inserted (id, trajectory, digest) rows, refused key -> reason)."""
+    objs = list(rows.values())
+    try:
+        with transaction.atomic():
+            return insert_ignore_conflicts(objs, ("id", "trajectory_id", "digest")), {}
+    except (OperationalError, InterfaceError):
+        raise
+    except (DatabaseError, ValueError) as exc:
+        log.error("capture: the database refused %d conversation items (%s); storing them "
+                  "one by one", len(objs), type(exc).__name__)
+    inserted: list[tuple] = []
+    refused: dict[tuple[Any, str], str] = {}
+    for key, obj in rows.items():
+        try:
+            with transaction.atomic():
+                inserted += insert_ignore_conflicts([obj], ("id", "trajectory_id", "digest"))
+        except (OperationalError, InterfaceError):
+            raise
+        except (DatabaseError, ValueError) as exc:
+            # The class and SQLSTATE only: a database message can quote the value.
+            code = getattr(getattr(exc, "__cause__", None), "sqlstate", None) or ""
+            refused[key] = ("step not stored: the database refused it ("
+                            f"{type(exc).__name__}{' ' + code if code else ''})")
+    return inserted, refused
 
 
 def _finding(ia: Interaction, f: dict[str, Any], version: str,
@@ -539,7 +586,8 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             row = _header_row(ia, ia.step_id)
             if row is not None:
                 write.index_rows.append(row)
-        _link_items(tenant_id, writes, known, new_items, version)
+        for ia, reason in _link_items(tenant_id, writes, known, new_items, version):
+            quarantine(ia, reason)
 
         stored, refused = _store_steps(writes)
         for ia, reason in refused:
