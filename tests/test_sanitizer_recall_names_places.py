@@ -11,21 +11,13 @@ from __future__ import annotations
 import pytest
 
 from governance.sanitizer import Policy, Sanitizer, names
-from tests.bench.sanitize_eval_thirdparty import PLACEMENTS, place, read_back, shape_ok
+from tests.bench.sanitize_eval_thirdparty import PLACEMENTS
+from tests.test_sanitizer_families import out_text
 
 
 @pytest.fixture(scope="module")
 def sanitizer() -> Sanitizer:
     return Sanitizer(Policy(secret=b"r" * 32))
-
-
-def out_text(sanitizer: Sanitizer, text: str, how: str = "user") -> str:
-    body = place(text, how)
-    result = sanitizer.sanitize_bodies([("request", body)])[0]
-    assert shape_ok(body, result.body)
-    back = read_back(result.body, how)
-    assert back is not None
-    return back
 
 
 # (text, values that must not survive) — sentences of the synth set's templates.

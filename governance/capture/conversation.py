@@ -295,10 +295,6 @@ def observations(steps: Sequence[Any]) -> dict[Any, dict]:
     return out
 
 
-def observation(step: Any) -> dict:
-    return observations([step])[step.pk]
-
-
 def materialize_observations(steps: Sequence[Any]) -> Sequence[Any]:
     """Materialize the full observation of many steps at once (Step.observation reads it),
     for readers written against whole observations (the ATDP
