@@ -467,3 +467,54 @@ def test_celery_worker_builds_steps_from_shipped_interactions(transactional_db, 
                 except subprocess.TimeoutExpired:
                     proc.kill()
         client.delete("capture")
+
+
+def test_raw_payload_format_3_is_compressed_and_opens_like_format_1(tenant, agent, tmp_path):
+    """Raw payloads are sealed compressed (rawstore.pack_raw): the bodies as raw bytes under
+    zlib, a fraction of format 1's base64 JSON for agent traffic, opened to the same document;
+    a payload sealed in format 1 (stored before) still opens; a body that is not base64 text
+    and a delta's middle survive the round trip."""
+    import zlib
+
+    import orjson
+
+    from governance.capture.rawstore import (
+        RAW3_MAGIC,
+        apply_delta,
+        pack_raw,
+        request_delta,
+        seal_raw,
+        unpack_raw,
+        unwrap,
+    )
+
+    messages = [{"role": "user", "content": f"Customer {i}: Jane Roe, jane{i}@example.com, "
+                 f"+44 20 7946 09{i:02d}, 221B Baker Street"} for i in range(40)]
+    body = orjson.dumps({"model": "m", "messages": messages})
+    rec = make_record(tenant.pk, agent.pk, request=body)
+    v1 = orjson.dumps({"v": 1, **{k: rec.get(k) for k in (
+        "method", "path", "request_headers", "request_body", "request_is_json",
+        "response_status", "response_headers", "response_body", "is_stream", "error",
+        "routing", "response_truncated")}})
+    v3 = raw_plaintext(rec)
+    assert v3.startswith(RAW3_MAGIC) and len(v3) * 4 < len(v1)
+    assert unpack_raw(v3) == orjson.loads(v1) == unpack_raw(v1)
+    assert unpack_raw(raw_plaintext({**rec, "request_body": "not base64 !"}))[
+        "request_body"] == "not base64 !"
+    longer = body[:-2] + b',{"role":"tool","content":"done"}]}'
+    delta = {**request_delta(body, longer), "base": rec["flow_id"]}
+    doc = unpack_raw(raw_plaintext(rec, delta))
+    assert "request_body" not in doc and apply_delta(body, doc["request_delta"]) == longer
+    with pytest.raises(ValueError):
+        unpack_raw(RAW3_MAGIC + zlib.compress(b"\x00\x00\x00\x02{}extra"))
+
+    # Shipped: sealed in format 3; an interaction sealed in format 1 before still opens.
+    write_records(tmp_path, [rec])
+    assert ship_once(tmp_path, enqueue=None)["inserted"] == 1
+    ia = Interaction.objects.select_related("data_key").get(flow_id=rec["flow_id"])
+    assert len(ia.raw_ciphertext) < len(v1) // 3
+    assert decode_body(open_raw(ia)["request_body"]) == body
+    ia.raw_ciphertext = seal_raw(unwrap(ia.data_key), ia.flow_id, v1)
+    ia.save(update_fields=["raw_ciphertext"])
+    assert open_raw(ia) == orjson.loads(v1)
+    assert pack_raw(orjson.loads(v1)) == v3
