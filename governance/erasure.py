@@ -547,8 +547,8 @@ def _scan(req: ErasureRequest) -> int:
                 if kind == "interaction":
                     SubjectIndex.objects.bulk_create([SubjectIndex(
                         tenant_id=tenant_id, trajectory_id=ia.trajectory_id, interaction=ia,
-                        entity_type=SCAN_ENTITY, hash=h) for ia, h in hits],
-                        ignore_conflicts=True)
+                        source=SubjectIndex.Source.SCAN, entity_types=[SCAN_ENTITY],
+                        hashes=SubjectIndex.keys([h])) for ia, h in hits])
                 else:
                     deleted = DeadLetter.objects.for_tenant(tenant_id).filter(
                         pk__in=[d.pk for d, _ in hits]).delete()[0]
@@ -582,8 +582,8 @@ def _find_trajectories(cursor: Any, tenant_id: int, hashes: list[str], limit: in
         f"UNION SELECT trajectory_id FROM {_table('Interaction')} WHERE tenant_id = %s "
         "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
         f"UNION SELECT trajectory_id FROM {_table('SubjectIndex')} WHERE tenant_id = %s "
-        "AND hash = ANY(%s::text[])) AS s LIMIT %s",
-        [tenant_id, hashes, tenant_id, hashes, tenant_id, hashes, limit])
+        "AND hashes && %s::bytea[]) AS s LIMIT %s",
+        [tenant_id, hashes, tenant_id, hashes, tenant_id, SubjectIndex.keys(hashes), limit])
     return [row[0] for row in cursor.fetchall()]
 
 
@@ -784,13 +784,14 @@ def post_condition(tenant_id: int, hashes: list[str]) -> dict[str, int]:
             f"(SELECT count(*) FROM {_table('Interaction')} "
             "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> ''), "
             f"(SELECT count(*) FROM {_table('SubjectIndex')} "
-            "WHERE tenant_id = %s AND hash = ANY(%s::text[])), "
+            "WHERE tenant_id = %s AND hashes && %s::bytea[]), "
             f"(SELECT count(*) FROM {_table('DataKey')} WHERE tenant_id = %s "
             "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
             "AND wrapped_key IS NOT NULL), "
             f"(SELECT count(*) FROM {_table('DeadLetter')} "
             "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> '')",
-            [tenant_id, hashes] * 5)
+            [tenant_id, hashes] * 2 + [tenant_id, SubjectIndex.keys(hashes)]
+            + [tenant_id, hashes] * 2)
         t, i, s, k, d = cursor.fetchone()
     return {"trajectories": t, "interactions": i, "subject_index": s, "live_data_keys": k,
             "dead_letters": d}

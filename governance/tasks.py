@@ -146,8 +146,9 @@ def _header_row(ia: Interaction, step_id: Any) -> SubjectIndex | None:
     if not ia.subject_hash:
         return None
     return SubjectIndex(tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
-                        step_id=step_id, interaction=ia,
-                        entity_type=SubjectIndex.SUBJECT_HEADER, hash=ia.subject_hash)
+                        step_id=step_id, interaction=ia, source=SubjectIndex.Source.HEADER,
+                        entity_types=[SubjectIndex.SUBJECT_HEADER],
+                        hashes=SubjectIndex.keys([ia.subject_hash]))
 
 
 def _open(ia: Interaction, bodies: dict[str, bytes] | None = None) -> Exchange | str:
@@ -466,16 +467,20 @@ def _finding(ia: Interaction, f: dict[str, Any], version: str,
 
 def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
                 item_id: int | None = None) -> list[SubjectIndex]:
-    """Subject-index rows of identifiers found in a step — or in a conversation item: bound
-    to the item then, not to the step (see SubjectIndex.item)."""
-    hashes = {(etype, subject_hash(ia.tenant_id, value)) for etype, value in identifiers}
+    """The subject-index row (none or one) of the identifiers found in a step — or in a
+    conversation item: bound to the item then, not to the step (see SubjectIndex)."""
+    pairs = sorted({(etype[:32], subject_hash(ia.tenant_id, value))
+                    for etype, value in identifiers})
+    if not pairs:
+        return []
+    packed = {"entity_types": [t for t, _ in pairs],
+              "hashes": SubjectIndex.keys(h for _, h in pairs)}
     if item_id is not None:
         return [SubjectIndex(tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
-                             item_id=item_id, entity_type=etype[:32], hash=h)
-                for etype, h in sorted(hashes)]
+                             item_id=item_id, source=SubjectIndex.Source.ITEM, **packed)]
     return [SubjectIndex(tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
-                         step_id=ia.step_id, interaction=ia, entity_type=etype[:32], hash=h)
-            for etype, h in sorted(hashes)]
+                         step_id=ia.step_id, interaction=ia, source=SubjectIndex.Source.STEP,
+                         **packed)]
 
 
 def build_group(tenant_id: int, pks: list[int], harness_version: str = "",

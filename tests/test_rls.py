@@ -185,8 +185,9 @@ def world(tenant, other_tenant, make_member):
                                start=0, end=5, score=0.9, recognizer="email",
                                operator="placeholder", sanitizer_version="test-1")
         SubjectIndex.objects.create(tenant=t, trajectory=traj, step=step,
-                                    interaction=step.interaction, entity_type="EMAIL_ADDRESS",
-                                    hash=f"h-{t.slug}")
+                                    interaction=step.interaction, source="step",
+                                    entity_types=["EMAIL_ADDRESS"],
+                                    hashes=[t.slug.encode()])
         job = TrainingJob.objects.create(tenant=t, dataset_version=v, reward_fn="exact_match",
                                          base_model="tiny-qwen2", base_model_path="/m")
         TrainingMetric.objects.create(tenant=t, job=job, step=1, reward_mean=0, reward_std=0,

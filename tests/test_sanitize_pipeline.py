@@ -206,15 +206,18 @@ def test_steps_are_built_from_sanitized_exchanges_only(tenant, agent, tmp_path):
     # Subject index: by a found identifier (any spelling) and by the subject header.
     def found(entity_type: str, value: str) -> set[str]:
         h = subject_hash(tenant.pk, normalize_identifier(entity_type, value))
-        return {str(t) for t in SubjectIndex.objects.filter(tenant=tenant, hash=h)
+        return {str(t) for t in SubjectIndex.objects.filter(
+                tenant=tenant, hashes__overlap=SubjectIndex.keys([h]))
                 .values_list("trajectory_id", flat=True)}
 
     assert found("EMAIL_ADDRESS", "Maria.Garcia@Example.com") == {traj}
     assert found("PHONE_NUMBER", "(415) 555-0142") == {traj}
     assert found("PERSON", "maria garcia") == {traj}
-    header = SubjectIndex.objects.filter(tenant=tenant, hash=subject_hash(tenant.pk, SUBJECT))
+    header = SubjectIndex.objects.filter(
+        tenant=tenant, hashes__contains=SubjectIndex.keys([subject_hash(tenant.pk, SUBJECT)]))
     assert {str(r.trajectory_id) for r in header} == {traj}
-    assert {r.entity_type for r in header} == {"SUBJECT_HEADER"} and header.count() == 3
+    assert {r.source for r in header} == {"header"} and header.count() == 3
+    assert all(r.entity_types == ["SUBJECT_HEADER"] for r in header)
 
     event = AuditEvent.objects.filter(action="capture.steps_built").latest("seq")
     assert event.payload["sanitizer_version"] == SANITIZER_VERSION
@@ -500,11 +503,11 @@ def test_end_to_end_through_the_proxy(steward_proxy, proxy_key, make_member, api
 
     # The subject index finds the trajectory by the email's hash and by the subject header.
     by_email = SubjectIndex.objects.filter(
-        tenant=tenant, hash=subject_hash(tenant.pk, normalize_identifier("EMAIL_ADDRESS",
-                                                                          EMAIL)))
+        tenant=tenant, hashes__overlap=SubjectIndex.keys([subject_hash(
+            tenant.pk, normalize_identifier("EMAIL_ADDRESS", EMAIL))]))
     assert {str(t) for t in by_email.values_list("trajectory_id", flat=True)} == {traj}
-    by_header = SubjectIndex.objects.filter(tenant=tenant,
-                                            hash=subject_hash(tenant.pk, SUBJECT))
+    by_header = SubjectIndex.objects.filter(
+        tenant=tenant, hashes__overlap=SubjectIndex.keys([subject_hash(tenant.pk, SUBJECT)]))
     assert {str(t) for t in by_header.values_list("trajectory_id", flat=True)} == {traj}
 
     # Compliance can still read what was really sent (audited).

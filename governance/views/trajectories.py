@@ -175,8 +175,8 @@ def filtered(tenant: Any, data: dict[str, Any]) -> QuerySet:
         qs = qs.filter(session_id=data["session"])
     hashes = data.get("subject_ref") or []
     if hashes:
-        by_content = SubjectIndex.objects.for_tenant(tenant).filter(hash__in=hashes) \
-            .values("trajectory_id")
+        by_content = SubjectIndex.objects.for_tenant(tenant) \
+            .filter(hashes__overlap=SubjectIndex.keys(hashes)).values("trajectory_id")
         qs = qs.filter(Q(subject_hash__in=hashes) | Q(pk__in=by_content))
     if data.get("started_after"):
         qs = qs.filter(started_at__gte=data["started_after"])

@@ -86,9 +86,9 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
         [tenant_id, first_ia, n_steps - 1])
     cursor.execute(
         "INSERT INTO governance_subjectindex (tenant_id, trajectory_id, step_id, "
-        "interaction_id, entity_type, hash, created_at) "
-        f"SELECT %s, {traj}, md5('s' || g)::uuid, %s + g, 'EMAIL_ADDRESS', "
-        "md5('h' || g) || md5('i' || g), now() "
+        "interaction_id, source, entity_types, hashes, created_at) "
+        f"SELECT %s, {traj}, md5('s' || g)::uuid, %s + g, 'step', '{{EMAIL_ADDRESS}}', "
+        "ARRAY[decode(md5('h' || g) || md5('i' || g), 'hex')], now() "
         f"FROM generate_series(0, %s, {STEPS_PER_TRAJECTORY}) g",
         [tenant_id, first_ia, n_steps - 1])
     cursor.execute(
@@ -103,7 +103,8 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
     cursor.execute("UPDATE governance_interaction SET subject_hash = %s WHERE trajectory_id IN "
                    "(SELECT md5('t' || g)::uuid FROM generate_series(0, %s) g)",
                    [subject_hash, k - 1])
-    cursor.execute("UPDATE governance_subjectindex SET hash = %s WHERE trajectory_id IN "
+    cursor.execute("UPDATE governance_subjectindex SET hashes = ARRAY[decode(%s, 'hex')] "
+                   "WHERE trajectory_id IN "
                    "(SELECT md5('t' || g)::uuid FROM generate_series(%s, %s) g)",
                    [index_hash, k, subject_trajs - 1])
     cursor.execute(
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             Dataset,
             DatasetVersion,
             ErasureRequest,
+            SubjectIndex,
         )
         from governance.sanitizer import normalize_identifier
         from governance.tenancy import (
@@ -200,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         with tenant_context(tenant), connection.cursor() as cursor:
             cursor.execute(
                 "EXPLAIN SELECT trajectory_id FROM governance_subjectindex "
-                "WHERE tenant_id = %s AND hash = ANY(%s::text[])",
-                [tenant.pk, lookup_hashes(tenant.pk, SUBJECT)])
+                "WHERE tenant_id = %s AND hashes && %s::bytea[]",
+                [tenant.pk, SubjectIndex.keys(lookup_hashes(tenant.pk, SUBJECT))])
             plan_index = "\n".join(r[0] for r in cursor.fetchall())
             cursor.execute(
                 "EXPLAIN SELECT trajectory_id FROM governance_interaction "

@@ -1,0 +1,152 @@
+"""The packed subject index (governance.models.SubjectIndex, migration 0017, decision 34): one
+row per place identifiers were found, their keyed hashes in a bytea[] under a GIN index —
+written by the real step builder, found by erasure's lookup, and migrated both ways from the
+row-per-identifier layout without losing a hash."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.utils import timezone
+
+from governance.erasure import lookup_hashes, post_condition
+from governance.keyring import subject_hash
+from governance.models import ConversationItem, Interaction, Step, SubjectIndex, Trajectory
+from governance.sanitizer import normalize_identifier
+from governance.tenancy import tenant_context
+from tests.pipeline import chat_response, make_record, ship_and_build
+
+CUSTOMERS = ("Customer record: Maria Garcia, maria.garcia@example.com, +1 415 555 0142. "
+             "Also on file: Peter Novak, peter.novak@example.org, +44 20 7946 0018.")
+
+
+@pytest.fixture
+def agent(tenant):
+    from governance.services import ensure_agent
+
+    return ensure_agent("system:test", tenant, "index-bot")
+
+
+def _hash(tenant, etype: str, value: str) -> bytes:
+    return bytes.fromhex(subject_hash(tenant.pk, normalize_identifier(etype, value)))
+
+
+def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
+        tenant, agent, tmp_path):
+    traj = str(uuid.uuid4())
+    history = [{"role": "system", "content": "You look up customers."},
+               {"role": "user", "content": CUSTOMERS}]
+    first = make_record(tenant.pk, agent.pk, trajectory_id=traj, subject="maria@example.com",
+                        request={"model": "m", "messages": history},
+                        response=chat_response("Found Maria Garcia (maria.garcia@example.com)."))
+    second = make_record(tenant.pk, agent.pk, trajectory_id=traj, subject="maria@example.com",
+                         request={"model": "m", "messages": history + [
+                             {"role": "assistant", "content": "Which one?"},
+                             {"role": "user", "content": "Email dana.white@example.net"}]},
+                         response=chat_response("ok"), t=first["t_request"] + 1)
+    ship_and_build(tmp_path, [first, second])
+    assert set(Interaction.objects.values_list("state", flat=True)) == {"processed"}
+
+    rows = list(SubjectIndex.objects.filter(trajectory_id=traj))
+    by_source: dict[str, list[SubjectIndex]] = {}
+    for r in rows:
+        by_source.setdefault(r.source, []).append(r)
+        assert len(r.hashes) == len(r.entity_types) >= 1
+        assert all(len(bytes(h)) == 32 for h in r.hashes)
+    # One header row per interaction, one row per conversation item with identifiers, one
+    # row for what the first response named; the customer message's identifiers share a row.
+    assert len(by_source["header"]) == 2
+    item_rows = by_source["item"]
+    assert len({r.item_id for r in item_rows}) == len(item_rows)
+    customer_row = next(r for r in item_rows if _hash(tenant, "EMAIL_ADDRESS",
+                                                      "peter.novak@example.org") in
+                        [bytes(h) for h in r.hashes])
+    assert {"EMAIL_ADDRESS", "PHONE_NUMBER", "PERSON"} <= set(customer_row.entity_types)
+    assert ConversationItem.objects.get(pk=customer_row.item_id).first_step is not None
+    assert [r.step_id for r in by_source["step"]] == [
+        Step.objects.get(interaction__flow_id=first["flow_id"]).pk]
+
+    # Erasure's lookup finds the trajectory by any identifier, and by the header subject.
+    from governance.erasure import _find_trajectories
+
+    for subject in ("dana.white@example.net", "+44 20 7946 0018", "maria@example.com"):
+        with tenant_context(tenant), connection.cursor() as cursor:
+            assert _find_trajectories(cursor, tenant.pk, lookup_hashes(tenant.pk, subject),
+                                      10) == [traj], subject
+    assert post_condition(tenant.pk, lookup_hashes(tenant.pk, "peter.novak@example.org"))[
+        "subject_index"] == 1
+    assert post_condition(tenant.pk, lookup_hashes(tenant.pk, "nobody@example.com")) == {
+        "trajectories": 0, "interactions": 0, "subject_index": 0, "live_data_keys": 0,
+        "dead_letters": 0}
+    # Not a hash: matches nothing, fails nothing.
+    assert SubjectIndex.keys(["zz", "", customer_row.hex_hashes()[0]]) == [
+        bytes(customer_row.hashes[0])]
+
+    # Building the same interactions again adds no row twice.
+    from governance.tasks import build_steps
+
+    Interaction.objects.update(state="captured")
+    build_steps(list(Interaction.objects.values_list("pk", flat=True)))
+    assert SubjectIndex.objects.filter(trajectory_id=traj).count() == len(rows)
+
+
+def test_migration_0017_packs_and_unpacks_rows_of_the_old_layout(tenant, agent,
+                                                                 transactional_db):
+    """Rows written in the row-per-identifier layout (hex hash, entity type) are packed by
+    0017 and restored exactly by its reverse."""
+    now = timezone.now()
+    traj = Trajectory.objects.create(tenant=tenant, agent=agent, started_at=now,
+                                     last_step_at=now)
+    call_command("migrate", "governance", "0016", verbosity=0)
+    ia_id = _old_interaction(tenant.pk, agent.pk, traj.pk)
+    h = [uuid.uuid4().hex * 2 for _ in range(6)]
+    old_rows = {
+        # (step, interaction, item, entity type, hash)
+        (None, ia_id, None, "SUBJECT_HEADER", h[0]),
+        (None, ia_id, None, "EMAIL_ADDRESS", h[1]),
+        (None, ia_id, None, "PHONE_NUMBER", h[2]),
+        (None, ia_id, None, "ERASURE_SCAN", h[3]),
+        (None, ia_id, None, "ERASURE_SCAN", h[4]),
+    }
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        for step, ia, item, etype, hx in old_rows:
+            cur.execute(
+                "INSERT INTO governance_subjectindex (tenant_id, trajectory_id, step_id, "
+                "interaction_id, item_id, entity_type, hash, created_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, now())",
+                [tenant.pk, traj.pk, step, ia, item, etype, hx])
+    call_command("migrate", "governance", verbosity=0)
+    with tenant_context(tenant):
+        rows = list(SubjectIndex.objects.filter(trajectory=traj).order_by("source", "pk"))
+    assert sorted((r.source, tuple(r.entity_types)) for r in rows) == [
+        ("header", ("SUBJECT_HEADER",)), ("scan", ("ERASURE_SCAN",)),
+        ("scan", ("ERASURE_SCAN",)), ("step", ("EMAIL_ADDRESS", "PHONE_NUMBER"))]
+    step_row = next(r for r in rows if r.source == "step")
+    assert step_row.hex_hashes() == [h[1], h[2]]
+    call_command("migrate", "governance", "0016", verbosity=0)
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        cur.execute("SELECT step_id, interaction_id, item_id, entity_type, hash "
+                    "FROM governance_subjectindex WHERE trajectory_id = %s", [traj.pk])
+        back = set(cur.fetchall())
+    assert back == old_rows
+    call_command("migrate", "governance", verbosity=0)
+
+
+def _old_interaction(tenant_id: int, agent_id: int, traj_id) -> int:
+    """An interaction row inserted with SQL (the model may be ahead of the schema)."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        cur.execute(
+            "INSERT INTO governance_interaction (flow_id, tenant_id, agent_id, trajectory_id, "
+            "step_id, endpoint, method, path, is_stream, request_is_json, error_kind, "
+            "error_message, subject_hash, consent, started_at, raw_base_flow, state, "
+            "state_reason, proxy_instance, shipped_at) VALUES (%s, %s, %s, %s, %s, "
+            "'chat.completions', 'POST', '/v1/chat/completions', false, true, '', '', '', "
+            "'train', now(), '', 'processed', '', '', now()) RETURNING id",
+            [uuid.uuid4().hex, tenant_id, agent_id, traj_id, uuid.uuid4()])
+        return cur.fetchone()[0]
