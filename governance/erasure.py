@@ -705,6 +705,9 @@ def _delete_batch(req: ErasureRequest) -> bool:
             "WHERE trajectory_id = ANY(%s::uuid[])", p)
         counts["dataset_memberships"] = cursor.rowcount
         cursor.execute(
+            f"DELETE FROM {_table('PlaceholderDelta')} "  # noqa: S608
+            "WHERE trajectory_id = ANY(%s::uuid[])", p)
+        cursor.execute(
             f"DELETE FROM {_table('Trajectory')} WHERE id = ANY(%s::uuid[])", p)  # noqa: S608
         counts["trajectories"] = cursor.rowcount
         _recompute_hashes(changed)

@@ -159,8 +159,13 @@ class Trajectory(models.Model):
     step_count = models.PositiveIntegerField(default=0)
     # governance.sanitizer.PlaceholderState JSON: placeholder numbering of this trajectory
     # (`<PERSON_1>` is the same person in every step), keyed by HMACs under the tenant's
-    # secret — never a raw value. Locked (SELECT ... FOR UPDATE) while steps are built.
+    # secret — never a raw value. This column is the base (what trajectories built before
+    # decision 34 held); what each step-builder batch adds is a PlaceholderDelta row, and
+    # `sanitizer_state_seq` counts them (capture/placeholders.py). Rewriting the whole state
+    # with every batch cost a session of n calls n^2 bytes of dead row versions. Locked
+    # (SELECT ... FOR UPDATE) while steps are written.
     sanitizer_state = models.JSONField(default=dict, blank=True)
+    sanitizer_state_seq = models.PositiveIntegerField(default=0)
     # The canary route and arm the proxy assigned this trajectory's session to (issue 7;
     # evolution/canary.py compares the arms' rewards). Empty arm: no route applied. A string
     # reference: governance imports nothing of the evolution app that owns the route.
@@ -177,6 +182,28 @@ class Trajectory(models.Model):
             models.Index(fields=["tenant", "agent", "-started_at"], name="traj_tenant_agent"),
             models.Index(fields=["tenant", "session_id"], name="traj_tenant_session"),
             models.Index(fields=["route", "route_arm"], name="traj_route_arm"),
+        ]
+
+
+class PlaceholderDelta(models.Model):
+    """What one step-builder batch added to a trajectory's placeholder state: the labels and
+    aliases it numbered (keyed HMACs -> `PERSON_3`, never a value) and the counters after it.
+    Append-only; `seq` is the trajectory's sanitizer_state_seq it made. Read back in order on
+    top of Trajectory.sanitizer_state (capture/placeholders.py). Deleted with its trajectory
+    (erasure deletes them with SQL before the trajectory rows)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
+                                   related_name="placeholder_deltas")
+    seq = models.PositiveIntegerField()
+    state = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["trajectory", "seq"], name="phdelta_traj_seq"),
         ]
 
 

@@ -238,7 +238,8 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
                     trajectory_id__in=empty).delete()[0]
             counts["invalidated_versions"] += len(invalidate_versions_containing(
                 ACTOR, tenant_id, empty, "retention: trajectory purged"))
-            counts["trajectories"] = Trajectory.objects.filter(pk__in=empty).delete()[0]
+            counts["trajectories"] = Trajectory.objects.filter(pk__in=empty).delete()[1].get(
+                Trajectory._meta.label, 0)
         if any(counts.values()):
             record_event(ACTOR, "retention.purged", tenant=tenant_id, object_type="tenant",
                          object_id=tenant_id,

@@ -60,6 +60,7 @@ from governance.capture.conversation import (
     known_histories,
     known_items,
 )
+from governance.capture.placeholders import read_states, write_deltas
 from governance.capture.rawstore import (
     RawPayloadUnavailable,
     decode_body,
@@ -213,7 +214,7 @@ def _sanitize(sanitizer: Sanitizer, batch: list[tuple[Interaction, Exchange]],
 
 def _sanitize_unlocked(tenant: Tenant, parsed: list[tuple[Interaction, Exchange]]
                        ) -> tuple[dict[Any, Trajectory], dict[Any, PlaceholderState],
-                                  dict[Any, TrajectoryItems],
+                                  dict[Any, dict[str, Any]], dict[Any, TrajectoryItems],
                                   list[tuple[Interaction, Sanitized]],
                                   list[tuple[Interaction, str]]]:
     """Sanitize the batch from its trajectories' placeholder states and stored conversation
@@ -222,10 +223,12 @@ def _sanitize_unlocked(tenant: Tenant, parsed: list[tuple[Interaction, Exchange]
     the NER pass (seconds) stalled it — and with it every tenant's capture — behind the
     sanitizer. A trajectory whose state another worker committed meanwhile (two batches of one
     trajectory in flight at once, rare) is sanitized again, now under its lock, from the
-    committed state and items, so placeholder numbering never forks. Returns (locked
-    trajectories, their states after the batch, their items, sanitized, failed)."""
+    committed state and items, so placeholder numbering never forks (the state's version is
+    Trajectory.sanitizer_state_seq, capture/placeholders.py). Returns (locked trajectories,
+    their states after the batch, the states as read (to_json), their items, sanitized,
+    failed)."""
     if not parsed:
-        return {}, {}, {}, [], []
+        return {}, {}, {}, {}, [], []
     sanitizer = sanitizer_for_tenant(tenant)
     version = sanitizer.policy.version
     digest = content_hasher(tenant.pk)
@@ -236,19 +239,21 @@ def _sanitize_unlocked(tenant: Tenant, parsed: list[tuple[Interaction, Exchange]
         return known_items(tids, {d for ia, _ in parsed if ia.trajectory_id in tids
                                   for d in histories[ia.pk].item_digests()}, version)
 
-    seen = dict(Trajectory.objects.filter(pk__in=ids).values_list("pk", "sanitizer_state"))
-    states = {tid: PlaceholderState.from_json(seen.get(tid)) for tid in ids}
+    read = read_states(ids)
+    seen = {tid: seq for tid, (seq, _) in read.items()}
+    states = {tid: state for tid, (_, state) in read.items()}
+    before = {tid: state.to_json() for tid, state in states.items()}
     known = items_of(ids)
     sanitized, failed = _sanitize(sanitizer, parsed, states, histories, known)
     trajectories = {t.pk: t for t in Trajectory.objects.select_for_update(of=("self",))
                     .filter(pk__in=ids).order_by("pk")}
-    stale = {tid for tid, t in trajectories.items()
-             if (t.sanitizer_state or {}) != (seen.get(tid) or {})}
+    stale = {tid for tid, t in trajectories.items() if t.sanitizer_state_seq != seen.get(tid)}
     if stale:
         log.info("sanitizer: tenant %s: %d trajectories changed during the batch; sanitizing "
                  "their exchanges again from the committed state", tenant.pk, len(stale))
-        for tid in stale:
-            states[tid] = PlaceholderState.from_json(trajectories[tid].sanitizer_state)
+        for tid, (_, state) in read_states(stale).items():
+            states[tid] = state
+            before[tid] = state.to_json()
         known.update(items_of(stale))
         again, again_failed = _sanitize(
             sanitizer, [(ia, ex) for ia, ex in parsed if ia.trajectory_id in stale], states,
@@ -257,7 +262,7 @@ def _sanitize_unlocked(tenant: Tenant, parsed: list[tuple[Interaction, Exchange]
         failed = [(ia, r) for ia, r in failed if ia.trajectory_id not in stale] + again_failed
         order = {ia.pk: i for i, (ia, _) in enumerate(parsed)}
         sanitized.sort(key=lambda pair: order[pair[0].pk])
-    return trajectories, states, known, sanitized, failed
+    return trajectories, states, before, known, sanitized, failed
 
 
 @dataclass
@@ -529,7 +534,8 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             else:
                 parsed.append((ia, outcome))
 
-        trajectories, states, known, sanitized, failed = _sanitize_unlocked(tenant, parsed)
+        trajectories, states, before, known, sanitized, failed = _sanitize_unlocked(tenant,
+                                                                                     parsed)
         for ia, reason in failed:
             quarantine(ia, reason)
         version = sanitizer_for_tenant(tenant).policy.version
@@ -600,14 +606,8 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         built = [w.interaction.pk for w in stored]
         findings = [f for w in stored for f in w.findings]
         SubjectIndex.objects.bulk_create(index_rows, batch_size=1000, ignore_conflicts=True)
-        changed = []
-        for tid, traj in trajectories.items():
-            new_state = states[tid].to_json()
-            if new_state != (traj.sanitizer_state or {}):
-                traj.sanitizer_state = new_state
-                changed.append(traj)
-        # One UPDATE for the batch (it was one per trajectory).
-        Trajectory.objects.bulk_update(changed, ["sanitizer_state"], batch_size=500)
+        # What the batch numbered: one delta row per trajectory, not the whole state again.
+        write_deltas(trajectories, states, before)
         done["built"] = built
         ids = done["built"] + done["quarantined"]
         done["coalesced"] = [pk for pk in ids if pk not in requested]

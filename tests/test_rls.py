@@ -51,6 +51,7 @@ from governance.models import (
     ErasureRequest,
     Finding,
     Interaction,
+    PlaceholderDelta,
     ProxyKey,
     Step,
     SubjectIndex,
@@ -180,6 +181,8 @@ def world(tenant, other_tenant, make_member):
         step = Step.objects.filter(trajectory=traj).first()
         ConversationItem.objects.create(tenant=t, trajectory=traj, digest=f"m:{t.slug}",
                                         sanitizer_version="test-1", content={"role": "user"})
+        PlaceholderDelta.objects.create(tenant=t, trajectory=traj, seq=1,
+                                        state={"labels": {"k": "PERSON_1"}})
         Finding.objects.create(tenant=t, step=step, interaction=step.interaction,
                                side="request", entity_type="EMAIL_ADDRESS", path="$.x",
                                start=0, end=5, score=0.9, recognizer="email",

@@ -34,6 +34,7 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from governance.capture.placeholders import placeholder_state, write_deltas
 from governance.capture.steps import fields_from_exchange, parse_exchange
 from governance.keyring import subject_hash
 from governance.models import (
@@ -41,6 +42,7 @@ from governance.models import (
     DataKey,
     Finding,
     Interaction,
+    PlaceholderDelta,
     Step,
     SubjectIndex,
     Trajectory,
@@ -53,6 +55,7 @@ from governance.sanitizer import (
     normalize_identifier,
 )
 from governance.sanitizing import BINARY_MARKER, finish_fields, sanitize_exchanges
+from governance.tenancy import tenant_context
 from tests.live import database_url_from_django
 from tests.live import master_key as live_master_key
 from tests.pipeline import chat_response, make_record, ship_and_build
@@ -199,9 +202,16 @@ def test_steps_are_built_from_sanitized_exchanges_only(tenant, agent, tmp_path):
     assert all(f.sanitizer_version == SANITIZER_VERSION for f in findings)
 
     # The trajectory's placeholder state holds keyed hashes only.
-    state = Trajectory.objects.get(pk=traj).sanitizer_state
+    with tenant_context(tenant):
+        state = placeholder_state(traj).to_json()
     assert state["counters"]["PERSON"] == 1 and state["labels"]
     assert_clean(json.dumps(state))
+    # Stored as what each batch added (decision 34): the base column stays empty.
+    assert Trajectory.objects.get(pk=traj).sanitizer_state == {}
+    assert PlaceholderDelta.objects.filter(trajectory_id=traj).count() == (
+        Trajectory.objects.get(pk=traj).sanitizer_state_seq) >= 1
+    assert_clean(json.dumps(list(PlaceholderDelta.objects.filter(trajectory_id=traj)
+                                 .values_list("state", flat=True))))
 
     # Subject index: by a found identifier (any spelling) and by the subject header.
     def found(entity_type: str, value: str) -> set[str]:
@@ -597,7 +607,8 @@ def test_a_state_committed_during_the_ner_pass_is_not_overwritten(tenant, agent,
         if not calls:  # another worker built an earlier step of the trajectory meanwhile
             other = PlaceholderState()
             other.label("EMAIL_ADDRESS", "someone.else@example.org", b"k")
-            Trajectory.objects.filter(pk=traj).update(sanitizer_state=other.to_json())
+            with tenant_context(tenant):
+                write_deltas({traj: Trajectory.objects.get(pk=traj)}, {traj: other}, {})
         calls.append(len(batch))
         return out
 
@@ -609,4 +620,6 @@ def test_a_state_committed_during_the_ner_pass_is_not_overwritten(tenant, agent,
     assert calls == [1, 1]
     step = Step.objects.get(pk=rec["step_id"])
     assert step.observation["messages"][0]["content"] == "mail <EMAIL_ADDRESS_2>"
-    assert Trajectory.objects.get(pk=traj).sanitizer_state["counters"]["EMAIL_ADDRESS"] == 2
+    with tenant_context(tenant):
+        assert placeholder_state(traj).counters["EMAIL_ADDRESS"] == 2
+    assert Trajectory.objects.get(pk=traj).sanitizer_state_seq == 2
