@@ -371,6 +371,14 @@ class Shipper:
                 # The class and SQLSTATE only: a database message can quote the value.
                 reason = (f"the database refused the record ({type(exc).__name__}"
                           f"{' ' + _sqlstate(exc) if _sqlstate(exc) else ''})")
+                # Ids are unique across time partitions by a trigger (migration 0017) that
+                # names the unique constraint it stands for: said as the in-partition clash is.
+                constraint = getattr(getattr(exc.__cause__, "diag", None), "constraint_name",
+                                     None) or ""
+                if constraint.endswith("_step_id_key") and isinstance(rec, dict):
+                    reason = f"step_id {rec.get('step_id')} already used by another flow"
+                elif constraint.endswith("_flow_id_key"):
+                    reason = "flow_id already stored with another request time"
                 entry = {"reason": reason, "record": rec}
                 if self._attributable(rec):
                     entry[TO_TABLE] = True

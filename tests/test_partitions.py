@@ -1,0 +1,296 @@
+"""Time partitions of interactions, steps and findings (migration 0017, docs/decisions.md 33):
+partitions made ahead and for rows that landed in the DEFAULT one, ids unique across
+partitions, retention dropping whole months (and only those whose every row expired) with
+nothing left behind, erasure on partitioned tables, and the migration both ways on a database
+filled through the old schema."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import uuid
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
+
+from governance.capture.conversation import observations
+from governance.models import (
+    AuditEvent,
+    ConversationItem,
+    Finding,
+    Interaction,
+    Step,
+    SubjectIndex,
+    Trajectory,
+)
+from governance.partitions import PARTITIONED, Month, ensure_partitions, monthly_partitions
+from governance.retention import drop_expired_partitions, purge_expired
+from governance.tenancy import tenant_context
+from tests.pipeline import chat_response, make_record, ship_and_build
+
+EMAIL = "maria.garcia@example.com"
+SYSTEM = {"role": "system", "content": "You are a support agent for an online bookshop."}
+
+
+@pytest.fixture
+def agent(tenant):
+    from governance.services import ensure_agent
+
+    return ensure_agent("system:test", tenant, "part-bot")
+
+
+def _months_ago(n: int) -> Month:
+    now = timezone.now().astimezone(UTC)
+    index = now.year * 12 + now.month - 1 - n
+    return Month.of(index // 12, index % 12 + 1)
+
+
+def _partition_of(table: str, pk_col: str, pk) -> str:
+    with connection.cursor() as cur:
+        cur.execute(f"SELECT tableoid::regclass::text FROM {table} "  # noqa: S608
+                    f"WHERE {pk_col} = %s", [pk])
+        return cur.fetchone()[0]
+
+
+def _call(tenant, agent, traj: str, messages: list, t: float, subject: str | None = None
+          ) -> dict:
+    return make_record(tenant.pk, agent.pk, trajectory_id=traj, request={
+        "model": "m", "messages": copy.deepcopy(messages)}, response=chat_response("ok"), t=t,
+        subject=subject)
+
+
+def _pg_dump_text() -> str:
+    from pgserver._commands import POSTGRES_BIN_PATH
+
+    s = connection.settings_dict
+    out = subprocess.run(
+        [str(POSTGRES_BIN_PATH / "pg_dump"), "--data-only", "-h", s["HOST"] or "127.0.0.1",
+         "-p", str(s["PORT"] or 5432), "-U", s["USER"], s["NAME"]],
+        capture_output=True, check=True, env={"PGPASSWORD": s["PASSWORD"] or ""})
+    return out.stdout.decode("utf-8", "replace")
+
+
+# --- partitions ahead, and rows in the DEFAULT partition ---------------------------------------
+
+
+def test_partitions_are_made_ahead_idempotently_with_rls(db):
+    made = ensure_partitions(3, first=date(2030, 1, 15))
+    assert sorted(p["partition"] for p in made) == sorted(
+        f"{t}_p2030_0{m}" for t in PARTITIONED for m in (1, 2, 3))
+    assert ensure_partitions(3, first=date(2030, 1, 15)) == []
+    for table in PARTITIONED:
+        assert Month.of(2030, 2) in monthly_partitions(table)
+    with connection.cursor() as cur:
+        cur.execute("SELECT relrowsecurity, relforcerowsecurity, "
+                    "(SELECT count(*) FROM pg_policies WHERE tablename = relname) "
+                    "FROM pg_class WHERE relname = 'governance_step_p2030_02'")
+        assert cur.fetchone() == (True, True, 1)
+    # The beat task, for this month and the next two: made by the migration already.
+    from governance.tasks import ensure_partitions as task
+
+    assert task() == []
+    now = timezone.now().astimezone(UTC)
+    assert Month.of(now.year, now.month) in monthly_partitions("governance_step")
+
+
+def test_rows_in_the_default_partition_move_into_the_month_made_later(tenant, agent, tmp_path):
+    far = datetime(2035, 7, 3, 12, tzinfo=UTC)
+    traj = str(uuid.uuid4())
+    ship_and_build(tmp_path, [_call(tenant, agent, traj, [_user(f"I am {EMAIL}")],
+                                    far.timestamp())])
+    step = Step.objects.get(trajectory_id=traj)
+    assert _partition_of("governance_step", "id", step.pk) == "governance_step_default"
+    made = ensure_partitions(1, first=far.date())
+    moved = {p["partition"]: p["moved_rows"] for p in made}
+    assert moved["governance_step_p2035_07"] == 1
+    assert moved["governance_interaction_p2035_07"] == 1
+    assert _partition_of("governance_step", "id", step.pk) == "governance_step_p2035_07"
+    with tenant_context(tenant):  # read through the parent, under the tenant's policy
+        assert Step.objects.filter(pk=step.pk).exists()
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+# --- ids unique across partitions ----------------------------------------------------------------
+
+
+def test_flow_and_step_ids_stay_unique_across_partitions(tenant, agent, transactional_db):
+    from tests.govdata import make_trajectory
+
+    traj = make_trajectory(tenant, agent, steps=1)
+    ia = Interaction.objects.get(trajectory=traj)
+    later = ia.started_at + timedelta(days=40)  # another month's partition
+    for clash in ({"step_id": ia.step_id}, {"flow_id": ia.flow_id}):
+        fields = {"flow_id": uuid.uuid4().hex, "step_id": uuid.uuid4(), **clash}
+        with pytest.raises(IntegrityError), transaction.atomic():
+            Interaction.objects.create(
+                tenant=tenant, agent=agent, trajectory=traj, endpoint="chat.completions",
+                method="POST", path="/v1/chat/completions", started_at=later, **fields)
+    # The same started_at: the composite unique constraint, so ON CONFLICT DO NOTHING holds.
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Interaction.objects.create(
+            tenant=tenant, agent=agent, trajectory=traj, endpoint="chat.completions",
+            method="POST", path="/v1/chat/completions", started_at=ia.started_at,
+            flow_id=uuid.uuid4().hex, step_id=ia.step_id)
+
+
+# --- retention: whole months ---------------------------------------------------------------------
+
+
+def _old_month_with_a_session(tenant, agent, tmp_path, *, months: int = 14):
+    """A session whose first calls fall in a month `months` ago (its own partition) and whose
+    last call is recent: the later step extends the old ones and its raw request is a delta of
+    the previous call's."""
+    month = _months_ago(months)
+    ensure_partitions(1, first=month.start.date())
+    traj = str(uuid.uuid4())
+    t0 = month.start + timedelta(days=3)
+    history = [SYSTEM]
+    records = []
+    for i in range(3):
+        history = history + [_user(f"Question {i} from {EMAIL}"),
+                             {"role": "assistant", "content": f"Answer {i}"}]
+        records.append(_call(tenant, agent, traj, history,
+                             (t0 + timedelta(hours=i)).timestamp(), subject=EMAIL))
+    history = history + [_user("And one more thing, today.")]
+    records.append(_call(tenant, agent, traj, history, timezone.now().timestamp() - 60,
+                         subject=EMAIL))
+    ship_and_build(tmp_path, records)
+    return month, traj, records
+
+
+def test_retention_drops_an_expired_month_and_keeps_what_depends_on_it_whole(
+        tenant, agent, tmp_path, transactional_db):
+    from governance.capture.rawstore import decode_body, open_raw
+
+    month, traj, records = _old_month_with_a_session(tenant, agent, tmp_path)
+    steps = list(Step.objects.filter(trajectory_id=traj).order_by("started_at"))
+    assert len(steps) == 4 and steps[3].parent_step == steps[2].pk
+    assert {_partition_of("governance_step", "id", s.pk) for s in steps[:3]} == {
+        month.partition("governance_step")}
+    last = Interaction.objects.select_related("data_key").get(step_id=steps[3].pk)
+    assert last.raw_base_flow == records[2]["flow_id"]  # a delta of an old call's payload
+    with tenant_context(tenant):
+        expected = observations([steps[3]])[steps[3].pk]
+    assert Finding.objects.filter(step_id__in=[s.pk for s in steps[:3]]).exists()
+    assert SubjectIndex.objects.filter(step_id__in=[s.pk for s in steps[:3]]).exists()
+
+    results = purge_expired()
+    assert results[tenant.pk]["complete"] == 1
+    for table in PARTITIONED:
+        assert month not in monthly_partitions(table)
+    # Nothing of the old month is left, in any table.
+    assert list(Step.objects.filter(trajectory_id=traj)) == [steps[3]]
+    assert not Interaction.objects.filter(step_id__in=[s.pk for s in steps[:3]]).exists()
+    assert not Finding.objects.filter(step_id__in=[s.pk for s in steps[:3]]).exists()
+    assert not SubjectIndex.objects.filter(step_id__in=[s.pk for s in steps[:3]]).exists()
+    # The remaining step was re-rooted first: it materializes exactly as before ...
+    kept = Step.objects.get(pk=steps[3].pk)
+    assert kept.parent_step is None
+    with tenant_context(tenant):
+        assert observations([kept])[kept.pk] == expected
+    # ... and its raw payload, sealed whole again, still opens to what was sent.
+    last = Interaction.objects.select_related("data_key").get(pk=last.pk)
+    assert last.raw_base_flow == ""
+    with tenant_context(tenant):
+        assert decode_body(open_raw(last)["request_body"]) == decode_body(
+            records[3]["request_body"])
+    assert Trajectory.objects.get(pk=traj).step_count == 1
+    # Conversation items only the dropped steps held went with them.
+    assert ConversationItem.objects.filter(trajectory_id=traj).count() >= 1
+    event = AuditEvent.objects.filter(action="retention.partition_dropped").get()
+    assert event.tenant_id == tenant.pk
+    assert event.payload["steps"] == 3 and event.payload["interactions"] == 3
+    assert event.payload["month"] == f"{month.start:%Y-%m}"
+    # Idempotent: nothing more to drop.
+    assert drop_expired_partitions() == []
+
+
+def test_a_month_with_one_live_row_is_purged_row_by_row_not_dropped(
+        tenant, agent, tmp_path, transactional_db):
+    from governance import services
+    from tests.govdata import make_trajectory
+
+    month = _months_ago(14)
+    ensure_partitions(1, first=month.start.date())
+    expired = make_trajectory(tenant, agent, steps=2, started=month.start + timedelta(days=1))
+    # Restricted data kept five years by policy: the month must stay.
+    services.set_retention_policy("system:test", tenant, "restricted", steps_days=5 * 365,
+                                  raw_days=7, findings_days=5 * 365, audit_days=3650)
+    live = make_trajectory(tenant, agent, steps=1, classification="restricted",
+                           started=month.start + timedelta(days=2))
+    assert drop_expired_partitions() == []
+    totals = purge_expired()[tenant.pk]
+    assert totals["steps"] == 2
+    assert month in monthly_partitions("governance_step")
+    assert not Step.objects.filter(trajectory=expired).exists()
+    assert Step.objects.filter(trajectory=live).count() == 1
+
+
+def test_nothing_of_a_dropped_month_is_left_in_a_dump_or_var(tenant, agent, tmp_path,
+                                                              transactional_db, settings):
+    month, traj, records = _old_month_with_a_session(tenant, agent, tmp_path / "spool")
+    # The subject's email only ever sat in the old calls (the recent one resends the history
+    # but is sealed: ciphertext); plain text of it exists in the database before the purge.
+    old_ids = list(Step.objects.filter(trajectory_id=traj, started_at__lt=month.end)
+                   .values_list("pk", flat=True))
+    assert len(old_ids) == 3
+    before = _pg_dump_text()
+    assert all(str(pk) in before for pk in old_ids)
+    purge_expired()
+    after = _pg_dump_text()
+    # Conversation items the recent step still holds keep naming the first step that carried
+    # them (`first_step`, a plain id, as after a row-by-row purge); nothing else does.
+    items = after.split("COPY public.governance_conversationitem ")
+    assert len(items) == 2
+    rest = items[0] + items[1].split("\n\\.\n", 1)[1]
+    for pk in old_ids:
+        assert str(pk) not in rest
+    for rec in records[:3]:
+        assert rec["flow_id"] not in after
+    assert EMAIL not in after.lower()
+    var = Path(settings.VAR_DIR)
+    if var.exists():
+        hits = [p for p in var.rglob("*") if p.is_file() and "PG_VERSION" not in p.name
+                and not any(part.startswith("pg") for part in p.parts[-3:])
+                and EMAIL.encode() in p.read_bytes().lower()]
+        assert hits == []
+
+
+# --- erasure on partitioned tables ---------------------------------------------------------------
+
+
+def test_erasure_touches_only_the_subjects_rows_in_every_month(tenant, agent, tmp_path,
+                                                                transactional_db, settings):
+    from governance.erasure import erase_subject, request_erasure
+
+    settings.STEWARD_SPOOL_DIR = tmp_path / "spool"
+    settings.VAR_DIR = tmp_path / "var"
+    settings.STEWARD_ERASURE_SPOOL_WAIT_S = 2
+    month, traj, _ = _old_month_with_a_session(tenant, agent, tmp_path / "a")
+    other = str(uuid.uuid4())
+    ship_and_build(tmp_path / "b", [
+        _call(tenant, agent, other, [_user("Opening hours?")],
+              (month.start + timedelta(days=4)).timestamp()),
+        _call(tenant, agent, other, [_user("Opening hours?"), {"role": "assistant",
+                                      "content": "9-5"}, _user("Thanks")],
+              timezone.now().timestamp() - 30)])
+    others = {table: list(model.objects.filter(trajectory_id=other).values_list("pk", flat=True))
+              for table, model in (("step", Step), ("interaction", Interaction))}
+    other_findings = Finding.objects.filter(step__trajectory_id=other).count()
+    req, _ = request_erasure("system:test", tenant, EMAIL)
+    assert erase_subject(req.pk, tenant.pk)["status"] == "completed"
+    assert not Step.objects.filter(trajectory_id=traj).exists()
+    assert not Interaction.objects.filter(trajectory_id=traj).exists()
+    assert not Finding.objects.filter(step__trajectory_id=traj).exists()
+    assert not SubjectIndex.objects.filter(trajectory_id=traj).exists()
+    assert sorted(Step.objects.filter(trajectory_id=other).values_list("pk", flat=True)) == \
+        sorted(others["step"])
+    assert sorted(Interaction.objects.filter(trajectory_id=other)
+                  .values_list("pk", flat=True)) == sorted(others["interaction"])
+    assert Finding.objects.filter(step__trajectory_id=other).count() == other_findings
