@@ -377,8 +377,9 @@ class Finding(models.Model):
         RESPONSE = "response", "Response"
 
     # Partitioned by `created_at` (migration 0017, decision 33). Lean on purpose, a step has
-    # several: no index of its own on tenant (both indexes below lead with it), no interaction
-    # (always the step's), the item index only over findings that have an item.
+    # several: findings are only ever read through their step (step_id's index), so no index
+    # on tenant, on (tenant, entity_type) or (tenant, created_at); no interaction (always the
+    # step's); the item index only over findings that have an item.
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="findings",
                                db_index=False)
     # No database constraint into the partitioned steps table: Django's collector deletes a
@@ -405,8 +406,6 @@ class Finding(models.Model):
 
     class Meta:
         indexes = [
-            models.Index(fields=["tenant", "entity_type"], name="finding_tenant_entity"),
-            models.Index(fields=["tenant", "created_at"], name="finding_tenant_created"),
             # Deleting conversation items (retention) finds their findings through it.
             models.Index(fields=["item"], condition=models.Q(item__isnull=False),
                          name="finding_item"),

@@ -46,8 +46,14 @@ UNIQUES = {
     "governance_interaction": ["flow_id", "step_id"],
     "governance_step": ["interaction_id"],
 }
-# Indexes of the plain findings table that the partitioned one does without (column name).
+# Indexes of the plain findings table that the partitioned one does without: Django's on
+# tenant_id, item_id (now partial) and interaction_id (column dropped), and two nothing reads
+# (findings are read through their step).
 FINDING_DROPPED_INDEX_COLUMNS = {"tenant_id", "item_id", "interaction_id"}
+FINDING_DROPPED_INDEXES = {
+    "finding_tenant_entity": "(tenant_id, entity_type)",
+    "finding_tenant_created": "(tenant_id, created_at)",
+}
 FINDING_ITEM_INDEX = "finding_item"
 MONTHS_BACK_MAX = 24
 MONTHS_AHEAD = 3  # the current month and the next two
@@ -285,8 +291,8 @@ def forward(apps, schema_editor) -> None:
         for col in UNIQUES.get(table, []):
             run(f"ALTER TABLE {table} ADD CONSTRAINT {table}_{col}_key UNIQUE ({col}, {key})")
         for name, definition in indexes[table]:
-            if table == "governance_finding" and any(
-                    definition.endswith(f"btree ({c})") for c in FINDING_DROPPED_INDEX_COLUMNS):
+            if table == "governance_finding" and (name in FINDING_DROPPED_INDEXES or any(
+                    definition.endswith(f"btree ({c})") for c in FINDING_DROPPED_INDEX_COLUMNS)):
                 continue
             # The same definition on the partitioned table: every partition gets it.
             run(definition)
@@ -343,6 +349,8 @@ def reverse(apps, schema_editor) -> None:
             run(f"GRANT {privilege} ON {table} TO {grantee}")
     # Django's own names (the 0016 state) for what the plain findings table had, and the
     # foreign keys into steps and interactions.
+    for name, columns in FINDING_DROPPED_INDEXES.items():
+        run(f"CREATE INDEX {name} ON governance_finding {columns}")
     finding = apps.get_model("governance", "Finding")
     for field_name in ("tenant", "item", "interaction"):
         field = finding._meta.get_field(field_name)
@@ -366,6 +374,8 @@ class Migration(migrations.Migration):
             database_operations=[migrations.RunPython(forward, reverse)],
             state_operations=[
                 migrations.RemoveField(model_name="finding", name="interaction"),
+                *(migrations.RemoveIndex(model_name="finding", name=name)
+                  for name in FINDING_DROPPED_INDEXES),
                 migrations.AlterField(
                     model_name="finding", name="tenant",
                     field=models.ForeignKey(db_index=False, on_delete=models.deletion.CASCADE,
