@@ -122,10 +122,10 @@ def refused(cur, sql: str, params: list | None = None) -> str:
 
 def _partitions(cur, tables: list[str]) -> list[str]:
     """The partitions of those tables that are partitioned (decision 33), at any depth."""
-    cur.execute("SELECT c.relname FROM pg_partition_tree(t.relname::regclass) p "
+    cur.execute("SELECT c.relname FROM pg_class t "
+                "CROSS JOIN LATERAL pg_partition_tree(t.oid) p "
                 "JOIN pg_class c ON c.oid = p.relid "
-                "JOIN pg_class t ON t.relname = ANY(%s) AND t.relkind = 'p' "
-                "WHERE p.level > 0", [tables])
+                "WHERE t.relname = ANY(%s) AND t.relkind = 'p' AND p.level > 0", [tables])
     return sorted(row[0] for row in cur.fetchall())
 
 
