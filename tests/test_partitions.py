@@ -139,6 +139,24 @@ def test_flow_and_step_ids_stay_unique_across_partitions(tenant, agent, transact
             flow_id=uuid.uuid4().hex, step_id=ia.step_id)
 
 
+def test_a_record_without_a_request_time_ships_once(tenant, agent, tmp_path):
+    """started_at is part of the unique keys now: the fallback for a record without a valid
+    t_request must be the same on every read, or a re-shipped record would be refused."""
+    from governance.capture.shipper import ship_once
+    from governance.models import DeadLetter
+    from tests.pipeline import write_records
+
+    rec = make_record(tenant.pk, agent.pk, response=chat_response())
+    rec["t_request"] = "not a time"
+    for where in ("a", "b"):  # the same record read twice (two segments)
+        write_records(tmp_path / where, [rec])
+        counts = ship_once(tmp_path / where, enqueue=None)
+    assert (counts["inserted"], counts["duplicates"], counts["dead_lettered"]) == (0, 1, 0)
+    ia = Interaction.objects.get(flow_id=rec["flow_id"])
+    assert ia.state == "quarantined" and ia.started_at.timestamp() == pytest.approx(rec["t_end"])
+    assert not DeadLetter.objects.exists()
+
+
 # --- retention: whole months ---------------------------------------------------------------------
 
 
