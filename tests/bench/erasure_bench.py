@@ -78,12 +78,12 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
         "'{}', '{}', '{}', '{}', 'internal', 'train', 'bench-1', true, now() "
         "FROM generate_series(0, %s) g", [tenant_id, first_ia, n_steps - 1])
     cursor.execute(
-        "INSERT INTO governance_finding (tenant_id, step_id, interaction_id, side, entity_type, "
+        "INSERT INTO governance_finding (tenant_id, step_id, side, entity_type, "
         "path, value_path, start, \"end\", score, recognizer, operator, sanitizer_version, "
-        "created_at) SELECT %s, md5('s' || g)::uuid, %s + g, 'request', 'EMAIL_ADDRESS', "
+        "created_at) SELECT %s, md5('s' || g)::uuid, 'request', 'EMAIL_ADDRESS', "
         "'$.messages[0].content', '', 0, 10, 1.0, 'email', 'placeholder', 'bench-1', now() "
         f"FROM generate_series(0, %s, {STEPS_PER_TRAJECTORY}) g",
-        [tenant_id, first_ia, n_steps - 1])
+        [tenant_id, n_steps - 1])
     cursor.execute(
         "INSERT INTO governance_subjectindex (tenant_id, trajectory_id, step_id, "
         "interaction_id, entity_type, hash, created_at) "
