@@ -301,8 +301,19 @@ def test_erasure_touches_only_the_subjects_rows_in_every_month(tenant, agent, tm
     others = {table: list(model.objects.filter(trajectory_id=other).values_list("pk", flat=True))
               for table, model in (("step", Step), ("interaction", Interaction))}
     other_findings = Finding.objects.filter(step__trajectory_id=other).count()
+    gone = [str(pk) for pk in Step.objects.filter(trajectory_id=traj).values_list("pk",
+                                                                                 flat=True)]
+    gone += list(Interaction.objects.filter(trajectory_id=traj).values_list("flow_id",
+                                                                            flat=True))
+    assert len(gone) == 8 and all(g in _pg_dump_text() for g in gone)
     req, _ = request_erasure("system:test", tenant, EMAIL)
     assert erase_subject(req.pk, tenant.pk)["status"] == "completed"
+    # Nothing of the subject's session in any partition, or anywhere else in the database.
+    dump = _pg_dump_text()
+    assert [g for g in gone if g in dump] == [] and EMAIL not in dump.lower()
+    var = Path(settings.VAR_DIR)
+    assert not var.exists() or [p for p in var.rglob("*") if p.is_file()
+                                and EMAIL.encode() in p.read_bytes().lower()] == []
     assert not Step.objects.filter(trajectory_id=traj).exists()
     assert not Interaction.objects.filter(trajectory_id=traj).exists()
     assert not Finding.objects.filter(step__trajectory_id=traj).exists()
