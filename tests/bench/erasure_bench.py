@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         assert index_hash in lookup_hashes(tenant.pk, SUBJECT)
 
         t0 = time.perf_counter()
-        with transaction.atomic(), connection.cursor() as cursor:
+        with transaction.atomic(), tenant_context(tenant), connection.cursor() as cursor:
             seeded = seed(cursor, tenant.pk, agent.pk, args.steps, h, index_hash,
                           args.subject_trajectories)
             ds = Dataset.objects.create(tenant=tenant, name="bench")
