@@ -21,8 +21,9 @@ keys, indexes, outgoing foreign keys and row-level security are put back:
   ORM delete, erasure deletes dependents explicitly, and retention's partition drop deletes
   what outside the dropped months depends on them (governance/partitions.py);
 - findings lose `interaction_id` (always its step's interaction) and the indexes nothing
-  queries: tenant_id alone (both composite indexes lead with it) and item_id over every row
-  (now partial: only history-message findings have one).
+  queries (findings are read through their step): tenant_id, (tenant_id, entity_type),
+  (tenant_id, created_at), and item_id over every row (now partial: only history-message
+  findings have one).
 
 Reverse turns them back into plain tables with the old keys, unique constraints, foreign keys
 (Django's names, from the 0016 state) and indexes, and findings get `interaction_id` back from
@@ -94,16 +95,16 @@ BEGIN
             IF moved > 0 THEN
                 -- PostgreSQL refuses a partition overlapping rows of the DEFAULT one: build
                 -- the month as a plain table, move the rows over, then attach it.
-                EXECUTE format('CREATE TABLE public.%I (LIKE public.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
-                               name, tables[k]);
+                EXECUTE format('CREATE TABLE public.%I (LIKE public.%I '
+                               'INCLUDING DEFAULTS INCLUDING CONSTRAINTS)', name, tables[k]);
                 EXECUTE format('WITH gone AS (DELETE FROM public.%I WHERE %I >= $1 AND %I < $2 '
                                'RETURNING *) INSERT INTO public.%I SELECT * FROM gone',
                                tables[k] || '_default', keys[k], keys[k], name) USING lo, hi;
-                EXECUTE format('ALTER TABLE public.%I ATTACH PARTITION public.%I FOR VALUES FROM (%L) TO (%L)',
-                               tables[k], name, lo, hi);
+                EXECUTE format('ALTER TABLE public.%I ATTACH PARTITION public.%I '
+                               'FOR VALUES FROM (%L) TO (%L)', tables[k], name, lo, hi);
             ELSE
-                EXECUTE format('CREATE TABLE public.%I PARTITION OF public.%I FOR VALUES FROM (%L) TO (%L)',
-                               name, tables[k], lo, hi);
+                EXECUTE format('CREATE TABLE public.%I PARTITION OF public.%I '
+                               'FOR VALUES FROM (%L) TO (%L)', name, tables[k], lo, hi);
             END IF;
             EXECUTE format('ALTER TABLE public.%I ENABLE ROW LEVEL SECURITY', name);
             EXECUTE format('ALTER TABLE public.%I FORCE ROW LEVEL SECURITY', name);
@@ -250,8 +251,15 @@ def _catalog(cur) -> tuple[dict, dict, dict]:
             {t: _grants(cur, t) for t in TABLES})
 
 
+# The owner that migrates is subject to the tables' FORCEd row-level security (it is neither
+# superuser nor BYPASSRLS: config/embedded.py, deploy/postgres-init.sql): without the system
+# context for this transaction, copying would read no row and the old tables would be dropped.
+SYSTEM_SCOPE = "SELECT set_config('steward.system', 'on', true)"
+
+
 def forward(apps, schema_editor) -> None:
     run = schema_editor.execute
+    run(SYSTEM_SCOPE)
     with schema_editor.connection.cursor() as cur:
         indexes, fks, grants = _catalog(cur)
         oldest = _fetch(cur, " UNION ALL ".join(
@@ -315,6 +323,7 @@ def forward(apps, schema_editor) -> None:
 
 def reverse(apps, schema_editor) -> None:
     run = schema_editor.execute
+    run(SYSTEM_SCOPE)
     with schema_editor.connection.cursor() as cur:
         indexes, fks, grants = _catalog(cur)
     for table in TABLES:
