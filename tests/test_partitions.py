@@ -250,6 +250,64 @@ def test_a_month_with_one_live_row_is_purged_row_by_row_not_dropped(
     assert Step.objects.filter(trajectory=live).count() == 1
 
 
+def test_a_month_goes_only_when_every_tenants_rows_expired_with_an_audit_event_each(
+        tenant, other_tenant, agent, transactional_db):
+    from governance import services
+    from tests.govdata import make_trajectory
+
+    other_agent = services.ensure_agent("system:test", other_tenant, "other-bot")
+    month = _months_ago(14)
+    ensure_partitions(1, first=month.start.date())
+    make_trajectory(tenant, agent, steps=2, started=month.start + timedelta(days=1))
+    make_trajectory(other_tenant, other_agent, steps=1, started=month.start + timedelta(days=5))
+    # The other tenant keeps everything for two years: the month stays for both.
+    services.set_retention_policy("system:test", other_tenant, "*", steps_days=730,
+                                  raw_days=7, findings_days=730, audit_days=3650)
+    assert drop_expired_partitions() == []
+    services.set_retention_policy("system:test", other_tenant, "*", steps_days=300,
+                                  raw_days=7, findings_days=300, audit_days=3650)
+    [dropped] = drop_expired_partitions()
+    assert dropped["tenants"] == [tenant.pk, other_tenant.pk]
+    events = {e.tenant_id: e.payload for e in AuditEvent.objects.filter(
+        action="retention.partition_dropped")}
+    assert (events[tenant.pk]["steps"], events[other_tenant.pk]["steps"]) == (2, 1)
+    assert events[other_tenant.pk]["policies"]["*"]["steps_days"] == 300
+    assert not Step.objects.filter(started_at__gte=month.start, started_at__lt=month.end).exists()
+
+
+def test_findings_of_an_older_kept_step_keep_their_month(tenant, agent, transactional_db):
+    """A finding is created when its step is built, possibly in the next month: dropping that
+    month's steps must not drop the findings month while an older kept step has findings
+    there."""
+    from governance import services
+    from tests.govdata import make_trajectory
+
+    older, month = _months_ago(15), _months_ago(14)
+    ensure_partitions(2, first=older.start.date())
+    services.set_retention_policy("system:test", tenant, "restricted", steps_days=5 * 365,
+                                  raw_days=7, findings_days=5 * 365, audit_days=3650)
+    kept = make_trajectory(tenant, agent, steps=1, classification="restricted",
+                           started=month.start - timedelta(hours=1))
+    gone = make_trajectory(tenant, agent, steps=1, started=month.start + timedelta(days=2))
+    findings = {}
+    for traj in (kept, gone):
+        step = Step.objects.get(trajectory=traj)
+        f = Finding.objects.create(tenant=tenant, step=step, side="request",
+                                   entity_type="PERSON", path="$.x", start=0, end=3,
+                                   score=0.9, recognizer="name", operator="placeholder",
+                                   sanitizer_version="test-1")
+        # Built after midnight on the 1st: in `month`'s findings partition for both.
+        Finding.objects.filter(pk=f.pk).update(created_at=month.start + timedelta(days=3))
+        findings[traj.pk] = f.pk
+    [dropped] = drop_expired_partitions()
+    assert dropped["partitions"] == [month.partition("governance_step"),
+                                     month.partition("governance_interaction")]
+    assert month in monthly_partitions("governance_finding")
+    assert not Finding.objects.filter(pk=findings[gone.pk]).exists()
+    assert Finding.objects.filter(pk=findings[kept.pk]).exists()
+    assert Step.objects.filter(trajectory=kept).exists()
+
+
 def test_nothing_of_a_dropped_month_is_left_in_a_dump_or_var(tenant, agent, tmp_path,
                                                               transactional_db, settings):
     month, traj, records = _old_month_with_a_session(tenant, agent, tmp_path / "spool")
