@@ -396,10 +396,14 @@ def _drop_month(month: Month, now: datetime, tenants: list[int],
         with connection.cursor() as cur:
             cur.execute("SET LOCAL lock_timeout = %s", [f"{DROP_LOCK_TIMEOUT_MS}ms"])
         released: dict[int, tuple[dict[str, int], set]] = {}
-        free = True
         for tid in present:
             with tenant_context(tid):
                 released[tid] = _release_month(tid, month)
+        # Every tenant, not only those with steps this month: another's kept step of an older
+        # month may have findings built in this one.
+        free = True
+        for tid in tenants:
+            with tenant_context(tid):
                 free = free and _findings_month_free(month)
         if not free:
             # Findings of older, still kept steps share the month: only these steps' go.

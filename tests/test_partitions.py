@@ -275,24 +275,27 @@ def test_a_month_goes_only_when_every_tenants_rows_expired_with_an_audit_event_e
     assert not Step.objects.filter(started_at__gte=month.start, started_at__lt=month.end).exists()
 
 
-def test_findings_of_an_older_kept_step_keep_their_month(tenant, agent, transactional_db):
+def test_findings_of_an_older_kept_step_keep_their_month(tenant, other_tenant, agent,
+                                                         transactional_db):
     """A finding is created when its step is built, possibly in the next month: dropping that
-    month's steps must not drop the findings month while an older kept step has findings
-    there."""
+    month's steps must not drop the findings month while an older kept step — here another
+    tenant's, with no step in that month — has findings there."""
     from governance import services
     from tests.govdata import make_trajectory
 
     older, month = _months_ago(15), _months_ago(14)
     ensure_partitions(2, first=older.start.date())
-    services.set_retention_policy("system:test", tenant, "restricted", steps_days=5 * 365,
-                                  raw_days=7, findings_days=5 * 365, audit_days=3650)
-    kept = make_trajectory(tenant, agent, steps=1, classification="restricted",
+    services.set_retention_policy("system:test", other_tenant, "restricted",
+                                  steps_days=5 * 365, raw_days=7, findings_days=5 * 365,
+                                  audit_days=3650)
+    kept = make_trajectory(other_tenant, services.ensure_agent("system:test", other_tenant, "o"),
+                           steps=1, classification="restricted",
                            started=month.start - timedelta(hours=1))
     gone = make_trajectory(tenant, agent, steps=1, started=month.start + timedelta(days=2))
     findings = {}
     for traj in (kept, gone):
         step = Step.objects.get(trajectory=traj)
-        f = Finding.objects.create(tenant=tenant, step=step, side="request",
+        f = Finding.objects.create(tenant=traj.tenant, step=step, side="request",
                                    entity_type="PERSON", path="$.x", start=0, end=3,
                                    score=0.9, recognizer="name", operator="placeholder",
                                    sanitizer_version="test-1")
