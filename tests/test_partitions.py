@@ -13,7 +13,7 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from governance.capture.conversation import observations
@@ -88,11 +88,26 @@ def test_partitions_are_made_ahead_idempotently_with_rls(db):
                     "(SELECT count(*) FROM pg_policies WHERE tablename = relname) "
                     "FROM pg_class WHERE relname = 'governance_step_p2030_02'")
         assert cur.fetchone() == (True, True, 1)
+    # The app role (owns nothing) makes them through the function, and can drop only a
+    # monthly partition of the three tables whose month is over.
+    from tests.conftest import APP_ROLE
+
+    now = timezone.now().astimezone(UTC)
+    current = f"governance_step_p{now:%Y_%m}"
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute(f"SET LOCAL ROLE {APP_ROLE}")
+        cur.execute("SELECT count(*) FROM steward_ensure_partitions(%s, 1)", [date(2030, 6, 1)])
+        assert cur.fetchone()[0] == 3
+        for statement in ("DROP TABLE governance_step_p2030_06",
+                          "SELECT steward_drop_partition('governance_step_default')",
+                          f"SELECT steward_drop_partition('{current}')",
+                          "SELECT steward_drop_partition('governance_auditevent')"):
+            with pytest.raises(DatabaseError), transaction.atomic():
+                cur.execute(statement)
     # The beat task, for this month and the next two: made by the migration already.
     from governance.tasks import ensure_partitions as task
 
     assert task() == []
-    now = timezone.now().astimezone(UTC)
     assert Month.of(now.year, now.month) in monthly_partitions("governance_step")
 
 
