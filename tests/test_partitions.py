@@ -266,14 +266,21 @@ def test_a_month_with_one_live_row_is_purged_row_by_row_not_dropped(
 
 
 def test_a_month_goes_only_when_every_tenants_rows_expired_with_an_audit_event_each(
-        tenant, other_tenant, agent, transactional_db):
+        tenant, other_tenant, agent, make_member, transactional_db):
     from governance import services
+    from governance.models import DatasetVersion
     from tests.govdata import make_trajectory
 
     other_agent = services.ensure_agent("system:test", other_tenant, "other-bot")
     month = _months_ago(14)
     ensure_partitions(1, first=month.start.date())
     make_trajectory(tenant, agent, steps=2, started=month.start + timedelta(days=1))
+    # An approved version holding that trajectory is invalidated by the drop.
+    stew, comp = make_member("steward", "stew"), make_member("compliance", "comp")
+    version = services.freeze_dataset_version(stew, services.create_dataset(stew, tenant,
+                                                                           name="d"))
+    services.request_approval(stew, version)
+    services.approve_version(comp, version, "fine")
     make_trajectory(other_tenant, other_agent, steps=1, started=month.start + timedelta(days=5))
     # The other tenant keeps everything for two years: the month stays for both.
     services.set_retention_policy("system:test", other_tenant, "*", steps_days=730,
@@ -287,6 +294,9 @@ def test_a_month_goes_only_when_every_tenants_rows_expired_with_an_audit_event_e
         action="retention.partition_dropped")}
     assert (events[tenant.pk]["steps"], events[other_tenant.pk]["steps"]) == (2, 1)
     assert events[other_tenant.pk]["policies"]["*"]["steps_days"] == 300
+    assert events[tenant.pk]["invalidated_versions"] == 1
+    version = DatasetVersion.objects.get(pk=version.pk)
+    assert version.status == "invalidated" and version.invalidated_reason.startswith("retention")
     assert not Step.objects.filter(started_at__gte=month.start, started_at__lt=month.end).exists()
 
 
