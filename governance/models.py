@@ -239,8 +239,8 @@ class Step(models.Model):
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, related_name="steps")
     # No database constraint: steps and interactions are partitioned by time (decision 33),
     # and PostgreSQL's foreign keys into a partitioned table need its partition key. Django's
-    # collector still sets it NULL when the interaction is deleted through the ORM; retention's
-    # partition drop does the same for steps outside the dropped month.
+    # collector still sets it NULL when the interaction is deleted through the ORM; retention
+    # drops a month only when no step outside it points into it.
     interaction = models.OneToOneField(Interaction, null=True, on_delete=models.SET_NULL,
                                        related_name="step", db_constraint=False)
     endpoint = models.CharField(max_length=32)
