@@ -202,6 +202,7 @@ CELERY_TASK_ROUTES = {
     "governance.tasks.build_steps": {"queue": "capture"},
     "governance.tasks.build_pending_steps": {"queue": "capture"},
     "governance.tasks.purge_expired": {"queue": "capture"},
+    "governance.tasks.ensure_partitions": {"queue": "capture"},
     "governance.erasure.erase_subject": {"queue": "capture"},
     "governance.erasure.resume_erasures": {"queue": "capture"},
     "trainer.tasks.run_training_job": {"queue": "gpu"},
@@ -215,6 +216,9 @@ CELERY_BEAT_SCHEDULE: dict = {
     "build-pending-steps": {"task": "governance.tasks.build_pending_steps", "schedule": 60.0},
     # Retention: bounded batches, one audit event per batch.
     "purge-expired": {"task": "governance.tasks.purge_expired", "schedule": 3600.0},
+    # Monthly time partitions of interactions, steps and findings, created two months ahead
+    # (a missed month still works: rows go to the DEFAULT partition and are moved later).
+    "ensure-partitions": {"task": "governance.tasks.ensure_partitions", "schedule": 21600.0},
     # Re-sends jobs left in "queued" (launch enqueues on commit; a broker outage loses it).
     "enqueue-queued-training-jobs": {"task": "trainer.tasks.enqueue_queued_jobs",
                                      "schedule": 300.0},

@@ -689,11 +689,6 @@ def _delete_batch(req: ErasureRequest) -> bool:
         for kind, sql in statements:
             cursor.execute(sql, p)
             counts[kind] = cursor.rowcount
-        # Findings that point at an interaction only (their step was purged before).
-        cursor.execute(
-            f"DELETE FROM {_table('Finding')} f USING {_table('Interaction')} i "  # noqa: S608
-            "WHERE f.interaction_id = i.id AND i.trajectory_id = ANY(%s::uuid[])", p)
-        counts["findings"] += cursor.rowcount
         cursor.execute(
             f"DELETE FROM {_table('Interaction')} WHERE trajectory_id = ANY(%s::uuid[]) "  # noqa: S608
             "RETURNING raw_ciphertext IS NOT NULL", p)

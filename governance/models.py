@@ -217,6 +217,9 @@ class Interaction(models.Model):
         PROCESSED = "processed", "Step built"
         QUARANTINED = "quarantined", "Quarantined (processing failed)"
 
+    # Unique across partitions: in the database (flow_id, started_at) and (step_id,
+    # started_at), plus a trigger refusing either id stored with another started_at
+    # (migration 0017). The table is partitioned by month on `started_at`.
     flow_id = models.CharField(max_length=64, unique=True)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="interactions")
     agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="interactions")
@@ -263,9 +266,14 @@ class Step(models.Model):
     id = models.UUIDField(primary_key=True)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="steps")
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, related_name="steps")
+    # No database constraint: steps and interactions are partitioned by time (decision 33),
+    # and PostgreSQL's foreign keys into a partitioned table need its partition key. Django's
+    # collector still sets it NULL when the interaction is deleted through the ORM; retention
+    # drops a month only when no step outside it points into it.
     interaction = models.OneToOneField(Interaction, null=True, on_delete=models.SET_NULL,
-                                       related_name="step")
+                                       related_name="step", db_constraint=False)
     endpoint = models.CharField(max_length=32)
+    # The partition key (monthly ranges, migration 0017); the interaction's started_at.
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True, blank=True)
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)
@@ -397,13 +405,19 @@ class Finding(models.Model):
         REQUEST = "request", "Request"
         RESPONSE = "response", "Response"
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="findings")
-    step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="findings")
-    interaction = models.ForeignKey(Interaction, null=True, blank=True,
-                                    on_delete=models.SET_NULL, related_name="findings")
+    # Partitioned by `created_at` (migration 0017, decision 33). Lean on purpose, a step has
+    # several: findings are only ever read through their step (step_id's index), so no index
+    # on tenant, on (tenant, entity_type) or (tenant, created_at); no interaction (always the
+    # step's); the item index only over findings that have an item.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="findings",
+                               db_index=False)
+    # No database constraint into the partitioned steps table: Django's collector deletes a
+    # step's findings with it, erasure and retention's partition drop delete them explicitly.
+    step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="findings",
+                             db_constraint=False)
     # A finding in a history message belongs to that message (found once, when the first step
     # carrying it was built: `step`); its `path` is the message's path in that step's request.
-    item = models.ForeignKey(ConversationItem, null=True, blank=True,
+    item = models.ForeignKey(ConversationItem, null=True, blank=True, db_index=False,
                              on_delete=models.CASCADE, related_name="findings")
     side = models.CharField(max_length=8, choices=Side.choices)
     entity_type = models.CharField(max_length=32)
@@ -421,8 +435,9 @@ class Finding(models.Model):
 
     class Meta:
         indexes = [
-            models.Index(fields=["tenant", "entity_type"], name="finding_tenant_entity"),
-            models.Index(fields=["tenant", "created_at"], name="finding_tenant_created"),
+            # Deleting conversation items (retention) finds their findings through it.
+            models.Index(fields=["item"], condition=models.Q(item__isnull=False),
+                         name="finding_item"),
         ]
 
 
@@ -452,10 +467,13 @@ class SubjectIndex(models.Model):
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="subject_index")
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
                                    related_name="subject_index")
+    # No database constraints into the partitioned steps and interactions (decision 33):
+    # Django's collector, erasure and retention's partition drop delete these rows with them.
     step = models.ForeignKey(Step, null=True, blank=True, on_delete=models.CASCADE,
-                             related_name="subject_index")
+                             related_name="subject_index", db_constraint=False)
     interaction = models.ForeignKey(Interaction, null=True, blank=True,
-                                    on_delete=models.CASCADE, related_name="subject_index")
+                                    on_delete=models.CASCADE, related_name="subject_index",
+                                    db_constraint=False)
     item = models.ForeignKey("ConversationItem", null=True, blank=True,
                              on_delete=models.CASCADE, related_name="subject_index")
     source = models.CharField(max_length=8, choices=Source.choices)

@@ -18,6 +18,13 @@ A raw payload is destroyed by the first of: its `raw_expires_at` (set at shippin
 current policy's `raw_days` (a policy shortened later applies to what is already stored).
 Versions of datasets holding a trajectory whose steps are purged are invalidated first.
 
+Steps, interactions and findings are partitioned by month (governance/partitions.py, decision
+33). A month whose every step and interaction is past its deadline — under its own tenant's
+policy for its classification — is dropped whole (drop_expired_partitions) after what outside
+that month depends on its rows is dealt with as the row-by-row purge would; what remains is
+purged row by row, which PostgreSQL prunes to the partitions older than each cutoff (in
+practice the one month that straddles the deadline).
+
 Each batch (at most `batch_size` rows of each kind) is its own transaction, scoped to its tenant
 (row-level security: governance.tenancy.tenant_context), with one audit event carrying the
 counts; batches repeat until nothing is left or the time budget is spent. Running it again finds
@@ -33,7 +40,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Exists, OuterRef, Q, Subquery
+from django.db import OperationalError, connection, transaction
+from django.db.models import Count, Exists, Max, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -43,13 +51,16 @@ from governance.capture.conversation import delete_unreferenced_items, reroot_ch
 from governance.capture.rawstore import rebase_dependents
 from governance.models import (
     DeadLetter,
+    Finding,
     Interaction,
     RetentionPolicy,
     Reward,
     Step,
+    SubjectIndex,
     Tenant,
     Trajectory,
 )
+from governance.partitions import Month, drop_partition, monthly_partitions
 from governance.tenancy import tenant_context
 
 log = logging.getLogger("steward.retention")
@@ -60,6 +71,9 @@ DEFAULT_FINDINGS_DAYS = 365
 DEFAULT_AUDIT_DAYS = 3650
 BATCH_SIZE = 1000
 TIME_BUDGET_S = 240.0
+# How long a partition drop waits for the parent tables' lock: while it waits, every insert
+# into them queues behind it, so it gives up soon and the next run tries again.
+DROP_LOCK_TIMEOUT_MS = 3000
 
 
 @dataclass(frozen=True)
@@ -277,6 +291,9 @@ def purge_expired(tenant_id: int | None = None, *, now: datetime | None = None,
                   time_budget_s: float = TIME_BUDGET_S) -> dict[int, dict[str, int]]:
     """Purge every tenant (or one). What the time budget leaves undone, the next run does."""
     deadline = time.monotonic() + time_budget_s
+    if tenant_id is None:
+        # Whole months first (they span tenants): what they take, no batch deletes.
+        drop_expired_partitions(now=now, deadline=deadline)
     tenant_ids = [tenant_id] if tenant_id is not None else list(
         Tenant.objects.order_by("pk").values_list("pk", flat=True))
     results: dict[int, dict[str, int]] = {}
@@ -286,4 +303,172 @@ def purge_expired(tenant_id: int | None = None, *, now: datetime | None = None,
         results[tid] = purge_tenant(tid, now=now, batch_size=batch_size, deadline=deadline)
         if any(v for k, v in results[tid].items() if k not in ("complete",)):
             log.info("retention: tenant %s purged %s", tid, results[tid])
+    return results
+
+
+# --- whole months -------------------------------------------------------------------------
+
+
+def _in(month: Month, field: str = "started_at") -> Q:
+    return Q(**{f"{field}__gte": month.start, f"{field}__lt": month.end})
+
+
+def _month_expired(tenant_id: int, month: Month, policies: dict[str, Effective],
+                   now: datetime) -> bool | None:
+    """Whether every step and interaction of this tenant in `month` is past its deadline by
+    the rules of _purge_batch (None: the tenant has no row there). A step whose interaction
+    lies in another month (or the reverse) keeps the month: the row-by-row purge handles it."""
+    steps = Step.objects.for_tenant(tenant_id).filter(_in(month))
+    interactions = Interaction.objects.for_tenant(tenant_id).filter(_in(month))
+    groups = list(steps.order_by().values("classification").annotate(last=Max("started_at")))
+    orphans = interactions.filter(step__isnull=True).aggregate(last=Max("started_at"))["last"]
+    if not groups and orphans is None and not interactions.exists():
+        return None
+    for group in groups:
+        policy = policies.get(group["classification"], policies[RetentionPolicy.ANY])
+        if group["last"] >= now - timedelta(days=policy.steps_days):
+            return False
+    if orphans is not None and orphans >= now - timedelta(days=policies["internal"].steps_days):
+        return False
+    if steps.filter(interaction__isnull=False).exclude(_in(month, "interaction__started_at")) \
+            .exists() or interactions.filter(step__isnull=False) \
+            .exclude(_in(month, "step__started_at")).exists():
+        return False
+    return True
+
+
+def _release_month(tenant_id: int, month: Month) -> tuple[dict[str, int], set]:
+    """Before this tenant's rows of `month` go with their partitions: what the row-by-row
+    purge does for what depends on them, for the rows outside the month that do. Returns the
+    counts and the trajectories touched."""
+    from governance.services import invalidate_versions_containing
+
+    steps = Step.objects.filter(_in(month))
+    interactions = Interaction.objects.filter(_in(month))
+    traj_ids = set(steps.values_list("trajectory_id", flat=True).distinct()) | set(
+        interactions.values_list("trajectory_id", flat=True).distinct())
+    counts = {
+        "steps": steps.count(), "interactions": interactions.count(),
+        "raw_payloads": interactions.filter(raw_ciphertext__isnull=False).count(),
+        "findings": Finding.objects.filter(_in(month, "created_at"),
+                                           step_id__in=steps.values("pk")).count(),
+        "invalidated_versions": len(invalidate_versions_containing(
+            ACTOR, tenant_id, traj_ids, "retention: member steps expired")),
+    }
+    # Later steps extending one of these take their whole history first (conversation
+    # store); later payloads stored as deltas of these are sealed whole.
+    parents = list(Step.objects.filter(parent_step__in=steps.values("pk")).exclude(_in(month))
+                   .values_list("parent_step", flat=True).distinct())
+    reroot_children(parents)
+    bases = list(Interaction.objects.filter(raw_base_flow__in=interactions.values("flow_id"),
+                                            raw_ciphertext__isnull=False)
+                 .exclude(_in(month)).values_list("raw_base_flow", flat=True).distinct())
+    rebase_dependents(bases)
+    # Findings of these steps built after the month ended live in a later partition.
+    counts["findings"] += Finding.objects.filter(
+        created_at__gte=month.end, step_id__in=steps.values("pk")).delete()[0]
+    # Not partitioned: the subject index rows of these steps and interactions.
+    counts["subject_index"] = SubjectIndex.objects.filter(
+        Q(step_id__in=steps.values("pk")) | Q(interaction_id__in=interactions.values("pk"))
+    ).delete()[0]
+    return counts, traj_ids
+
+
+def _findings_month_free(month: Month) -> bool:
+    """Whether every finding created in `month` belongs to a step of that month (findings
+    of an older month's step still kept must stay)."""
+    return not Finding.objects.filter(_in(month, "created_at")).exclude(
+        step_id__in=Step.objects.filter(_in(month)).values("pk")).exists()
+
+
+def _drop_month(month: Month, now: datetime, tenants: list[int],
+                policies: dict[int, dict[str, Effective]]) -> dict[str, Any] | None:
+    """One transaction: check the month, release it per tenant, drop its partitions, audit
+    per tenant. None when some row in it is not expired yet."""
+    with transaction.atomic():
+        present = []
+        for tid in tenants:
+            with tenant_context(tid):
+                expired = _month_expired(tid, month, policies[tid], now)
+            if expired is False:
+                return None
+            if expired:
+                present.append(tid)
+        with connection.cursor() as cur:
+            cur.execute("SET LOCAL lock_timeout = %s", [f"{DROP_LOCK_TIMEOUT_MS}ms"])
+        released: dict[int, tuple[dict[str, int], set]] = {}
+        for tid in present:
+            with tenant_context(tid):
+                released[tid] = _release_month(tid, month)
+        # Every tenant, not only those with steps this month: another's kept step of an older
+        # month may have findings built in this one.
+        free = True
+        for tid in tenants:
+            with tenant_context(tid):
+                free = free and _findings_month_free(month)
+        if not free:
+            # Findings of older, still kept steps share the month: only these steps' go.
+            for tid in present:
+                with tenant_context(tid):
+                    Finding.objects.filter(_in(month, "created_at"), step_id__in=Step.objects
+                                           .filter(_in(month)).values("pk")).delete()
+        dropped = []
+        for table in ("governance_finding", "governance_step", "governance_interaction"):
+            if table == "governance_finding" and not free:
+                continue
+            if drop_partition(table, month):
+                dropped.append(month.partition(table))
+            else:
+                # No partition for that month (rows in the DEFAULT one): row by row.
+                for tid in present:
+                    with tenant_context(tid):
+                        model = {"governance_finding": Finding, "governance_step": Step,
+                                 "governance_interaction": Interaction}[table]
+                        field = "created_at" if model is Finding else "started_at"
+                        model.objects.filter(_in(month, field)).delete()
+        for tid in present:
+            counts, traj_ids = released[tid]
+            with tenant_context(tid):
+                counts["conversation_items"] = delete_unreferenced_items(traj_ids)
+                remaining = (Step.objects.filter(trajectory_id=OuterRef("pk")).order_by()
+                             .values("trajectory_id").annotate(n=Count("pk")).values("n"))
+                Trajectory.objects.filter(pk__in=traj_ids).update(
+                    step_count=Coalesce(Subquery(remaining), 0))
+                record_event(ACTOR, "retention.partition_dropped", tenant=tid,
+                             object_type="tenant", object_id=tid,
+                             payload={**counts, "month": f"{month.start:%Y-%m}",
+                                      "partitions": dropped, "policies": {
+                                          label: {"steps_days": p.steps_days,
+                                                  "raw_days": p.raw_days, "source": p.source}
+                                          for label, p in sorted(policies[tid].items())}})
+        return {"month": f"{month.start:%Y-%m}", "partitions": dropped, "tenants": present}
+
+
+def drop_expired_partitions(*, now: datetime | None = None,
+                            deadline: float | None = None) -> list[dict[str, Any]]:
+    """Drop each month (oldest first) of steps, interactions and findings whose every row is
+    past its deadline, each in its own transaction; a month still holding a live row is left
+    to the row-by-row purge. Returns what was dropped. Idempotent: a dropped month is gone, a
+    failed one (a lock not granted in time) is tried again by the next run."""
+    now = now or timezone.now()
+    wall = timezone.now()
+    tenants = list(Tenant.objects.order_by("pk").values_list("pk", flat=True))
+    policies = {tid: effective_policies(tid) for tid in tenants}
+    shortest = min((p.steps_days for pol in policies.values() for p in pol.values()),
+                   default=DEFAULT_STEPS_DAYS)
+    results = []
+    for month in monthly_partitions("governance_step"):
+        # Not over yet (the drop function refuses it), or too young for any policy.
+        if month.end > wall or month.start >= now - timedelta(days=shortest):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        try:
+            outcome = _drop_month(month, now, tenants, policies)
+        except OperationalError as exc:  # lock_timeout: the next run tries again
+            log.warning("retention: month %s not dropped: %s", month.suffix(), exc)
+            continue
+        if outcome is not None:
+            log.info("retention: dropped %s", outcome)
+            results.append(outcome)
     return results

@@ -462,7 +462,7 @@ def _insert_items(rows: dict[tuple[Any, str], ConversationItem]
 def _finding(ia: Interaction, f: dict[str, Any], version: str,
              item_id: int | None = None) -> Finding:
     return Finding(
-        tenant_id=ia.tenant_id, step_id=ia.step_id, interaction=ia, item_id=item_id,
+        tenant_id=ia.tenant_id, step_id=ia.step_id, item_id=item_id,
         side=f["side"], entity_type=f["entity_type"][:32],
         path=str(f.get("path") or "$")[:512], value_path=str(f.get("value_path") or "")[:512],
         start=int(f["start"]), end=int(f["end"]), score=float(f["score"]),
@@ -689,3 +689,18 @@ def purge_expired(tenant_id: int | None = None) -> dict[str, dict[str, int]]:
     results = purge(tenant_id)
     # Celery serialises results as JSON: string keys.
     return {str(k): v for k, v in results.items()}
+
+
+@shared_task(name="governance.tasks.ensure_partitions",
+             autoretry_for=(OperationalError, InterfaceError), max_retries=3,
+             retry_backoff=True, retry_backoff_max=300, retry_jitter=True)
+def ensure_partitions() -> list[dict]:
+    """Time partitions (Celery beat): the monthly partitions of interactions, steps and
+    findings for this month and the next ones, created when missing, rows that landed in the
+    DEFAULT partition moved into theirs. Idempotent. See governance/partitions.py."""
+    from governance.partitions import ensure_partitions as ensure
+
+    created = ensure()
+    if created:
+        log.info("partitions: created %s", created)
+    return created

@@ -32,7 +32,7 @@ def world(people, tenant, other_tenant):
                         (t2, ["PHONE_NUMBER"])):
         step = Step.objects.filter(trajectory=traj).order_by("started_at").first()
         for i, entity in enumerate(types):
-            Finding.objects.create(tenant=tenant, step=step, interaction=step.interaction,
+            Finding.objects.create(tenant=tenant, step=step,
                                    side="request", entity_type=entity,
                                    path="$.messages[0].content", start=i, end=i + 1, score=0.9,
                                    recognizer="test", operator="placeholder",

@@ -580,7 +580,7 @@ def test_list_shows_status_findings_and_the_time_zone(client, make_member, tenan
     processing = make_trajectory(tenant, agents[0], steps=1, state="captured")
     step = Step.objects.get(trajectory=ok)
     for start in (0, 10):
-        Finding.objects.create(tenant=tenant, step=step, interaction=step.interaction,
+        Finding.objects.create(tenant=tenant, step=step,
                                entity_type="EMAIL_ADDRESS", recognizer="test", score=1.0,
                                side="request",
                                operator="placeholder", sanitizer_version="test-1",

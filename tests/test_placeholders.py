@@ -1,6 +1,6 @@
 """A trajectory's placeholder state as a base plus append-only deltas (governance/capture/
-placeholders.py, migration 0018, decision 34): what the batches numbered reads back as the one
-state, each batch writes only what it added, and going back to 0017 folds the deltas into the
+placeholders.py, migration 0019, decision 34): what the batches numbered reads back as the one
+state, each batch writes only what it added, and going back to 0018 folds the deltas into the
 base column."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from django.conf import settings
 from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
@@ -20,7 +21,7 @@ from governance.capture.placeholders import (
 )
 from governance.models import PlaceholderDelta, Trajectory
 from governance.sanitizer import PlaceholderState
-from governance.tenancy import tenant_context
+from governance.tenancy import grant_app_privileges, tenant_context
 
 SECRET = b"k" * 32
 
@@ -72,7 +73,7 @@ def test_batches_append_only_what_they_numbered_and_read_back_whole(tenant, agen
     assert delta_between(expected.to_json(), expected) == {}
 
 
-def test_migration_0018_back_folds_the_deltas_into_the_base(tenant, agent, transactional_db):
+def test_migration_0019_back_folds_the_deltas_into_the_base(tenant, agent, transactional_db):
     base = PlaceholderState()
     _batch(base, [("PERSON", "Maria Garcia")])
     traj = _trajectory(tenant, agent, base.to_json())
@@ -83,7 +84,7 @@ def test_migration_0018_back_folds_the_deltas_into_the_base(tenant, agent, trans
         write_deltas({traj.pk: Trajectory.objects.get(pk=traj.pk)}, {traj.pk: state},
                      {traj.pk: before})
     whole = state.to_json()
-    call_command("migrate", "governance", "0017", verbosity=0)
+    call_command("migrate", "governance", "0018", verbosity=0)
     with connection.cursor() as cur:
         cur.execute("SELECT set_config('steward.system', 'on', false)")
         cur.execute("SELECT sanitizer_state FROM governance_trajectory WHERE id = %s",
@@ -92,5 +93,8 @@ def test_migration_0018_back_folds_the_deltas_into_the_base(tenant, agent, trans
     folded = folded if isinstance(folded, dict) else json.loads(folded)
     assert folded == whole
     call_command("migrate", "governance", verbosity=0)
+    # As after every migrate in production: the app role's grants on the re-created table.
+    with connection.cursor() as cur:
+        grant_app_privileges(cur, settings.STEWARD_DB_SCOPE_ROLE)
     with tenant_context(tenant):
         assert placeholder_state(traj.pk).to_json() == whole

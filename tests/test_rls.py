@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from datetime import date
 from pathlib import Path
 
 import psycopg
@@ -120,12 +121,29 @@ def refused(cur, sql: str, params: list | None = None) -> str:
 # --- the schema ------------------------------------------------------------------------------
 
 
+def _partitions(cur, tables: list[str]) -> list[str]:
+    """The partitions of those tables that are partitioned (decision 33), at any depth."""
+    cur.execute("SELECT c.relname FROM pg_class t "
+                "CROSS JOIN LATERAL pg_partition_tree(t.oid) p "
+                "JOIN pg_class c ON c.oid = p.relid "
+                "WHERE t.relname = ANY(%s) AND t.relkind = 'p' AND p.level > 0", [tables])
+    return sorted(row[0] for row in cur.fetchall())
+
+
 def test_every_tenant_table_has_rls_enabled_forced_and_the_policy(db):
+    from governance.partitions import PARTITIONED, ensure_partitions
+
     tables = tenant_tables()
     assert EXPECTED_TABLES <= set(tables)  # the known ones, and any model added since
+    # Partitions made later (by beat) are covered the same way as the migration's.
+    ensure_partitions(2, first=date(2031, 5, 1))
     with connection.cursor() as cur:
+        partitions = _partitions(cur, tables)
+        assert {f"{t}_p2031_06" for t in PARTITIONED} | {f"{t}_default" for t in PARTITIONED} \
+            <= set(partitions)
+        tables = sorted(set(tables) | set(partitions))
         cur.execute("SELECT relname, relrowsecurity, relforcerowsecurity FROM pg_class "
-                    "WHERE relname = ANY(%s) AND relkind = 'r'", [tables])
+                    "WHERE relname = ANY(%s) AND relkind IN ('r', 'p')", [tables])
         flags = {name: (enabled, forced) for name, enabled, forced in cur.fetchall()}
         cur.execute("SELECT tablename, qual, with_check FROM pg_policies "
                     "WHERE policyname = %s", [POLICY_NAME])
@@ -183,7 +201,7 @@ def world(tenant, other_tenant, make_member):
                                         sanitizer_version="test-1", content={"role": "user"})
         PlaceholderDelta.objects.create(tenant=t, trajectory=traj, seq=1,
                                         state={"labels": {"k": "PERSON_1"}})
-        Finding.objects.create(tenant=t, step=step, interaction=step.interaction,
+        Finding.objects.create(tenant=t, step=step,
                                side="request", entity_type="EMAIL_ADDRESS", path="$.x",
                                start=0, end=5, score=0.9, recognizer="email",
                                operator="placeholder", sanitizer_version="test-1")

@@ -1,4 +1,4 @@
-"""The packed subject index (governance.models.SubjectIndex, migration 0017, decision 34): one
+"""The packed subject index (governance.models.SubjectIndex, migration 0018, decision 34): one
 row per place identifiers were found, their keyed hashes in a bytea[] under a GIN index —
 written by the real step builder, found by erasure's lookup, and migrated both ways from the
 row-per-identifier layout without losing a hash."""
@@ -93,14 +93,14 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
     assert SubjectIndex.objects.filter(trajectory_id=traj).count() == len(rows)
 
 
-def test_migration_0017_packs_and_unpacks_rows_of_the_old_layout(tenant, agent,
+def test_migration_0018_packs_and_unpacks_rows_of_the_old_layout(tenant, agent,
                                                                  transactional_db):
     """Rows written in the row-per-identifier layout (hex hash, entity type) are packed by
-    0017 and restored exactly by its reverse."""
+    0018 and restored exactly by its reverse."""
     now = timezone.now()
     traj = Trajectory.objects.create(tenant=tenant, agent=agent, started_at=now,
                                      last_step_at=now)
-    call_command("migrate", "governance", "0016", verbosity=0)
+    call_command("migrate", "governance", "0017", verbosity=0)
     ia_id = _old_interaction(tenant.pk, agent.pk, traj.pk)
     h = [uuid.uuid4().hex * 2 for _ in range(6)]
     old_rows = {
@@ -127,7 +127,7 @@ def test_migration_0017_packs_and_unpacks_rows_of_the_old_layout(tenant, agent,
         ("scan", ("ERASURE_SCAN",)), ("step", ("EMAIL_ADDRESS", "PHONE_NUMBER"))]
     step_row = next(r for r in rows if r.source == "step")
     assert step_row.hex_hashes() == [h[1], h[2]]
-    call_command("migrate", "governance", "0016", verbosity=0)
+    call_command("migrate", "governance", "0017", verbosity=0)
     with connection.cursor() as cur:
         cur.execute("SELECT set_config('steward.system', 'on', false)")
         cur.execute("SELECT step_id, interaction_id, item_id, entity_type, hash "

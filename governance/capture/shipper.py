@@ -41,6 +41,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -148,6 +149,12 @@ def _epoch(value: Any) -> datetime | None:
         except (OverflowError, OSError, ValueError):
             return None
     return None
+
+
+def _segment_time(segment: str) -> datetime | None:
+    """When a spool segment was opened: `seg-<unix_ms>-<pid>-<n>` (wire/spool.py)."""
+    m = re.match(r"seg-(\d{10,16})-", Path(segment).name) if segment else None
+    return _epoch(int(m.group(1)) / 1000) if m else None
 
 
 def _uuid(value: Any) -> uuid.UUID | None:
@@ -371,6 +378,14 @@ class Shipper:
                 # The class and SQLSTATE only: a database message can quote the value.
                 reason = (f"the database refused the record ({type(exc).__name__}"
                           f"{' ' + _sqlstate(exc) if _sqlstate(exc) else ''})")
+                # Ids are unique across time partitions by a trigger (migration 0017) that
+                # names the unique constraint it stands for: said as the in-partition clash is.
+                constraint = getattr(getattr(exc.__cause__, "diag", None), "constraint_name",
+                                     None) or ""
+                if constraint.endswith("_step_id_key") and isinstance(rec, dict):
+                    reason = f"step_id {rec.get('step_id')} already used by another flow"
+                elif constraint.endswith("_flow_id_key"):
+                    reason = "flow_id already stored with another request time"
                 entry = {"reason": reason, "record": rec}
                 if self._attributable(rec):
                     entry[TO_TABLE] = True
@@ -428,7 +443,7 @@ class Shipper:
         self._last_state = (pending, now)
 
     # -- validation ----------------------------------------------------------------------
-    def _prepare(self, records: list[Any], agents: dict[int, int]
+    def _prepare(self, records: list[Any], agents: dict[int, int], segment: str = ""
                  ) -> tuple[list[_Prepared], list[dict]]:
         """Split records into storable ones (possibly with problems -> quarantined) and
         dead letters (cannot be attributed to a tenant and agent, so nowhere to store them)."""
@@ -477,7 +492,11 @@ class Shipper:
             started_at = _epoch(rec.get("t_request"))
             if started_at is None:
                 problems.append("invalid t_request")
-                started_at = timezone.now()
+                # The same on every re-read (started_at is in the interaction's unique keys:
+                # time partitions, migration 0017): the record's end, else its segment's
+                # creation time, which the segment's name holds.
+                started_at = (_epoch(rec.get("t_end")) or _segment_time(segment)
+                              or timezone.now())
             for key in ("request_body", "response_body"):
                 try:
                     value = rec.get(key)
@@ -529,7 +548,7 @@ class Shipper:
         record naming one is dead-lettered ("does not exist in tenant")."""
         agent_ids = {r.get("agent_id") for r in records if _is_int(r.get("agent_id"))}
         agents = dict(Agent.objects.filter(pk__in=agent_ids).values_list("id", "tenant_id"))
-        prepared, dead = self._prepare(records, agents)
+        prepared, dead = self._prepare(records, agents, segment)
         # The same flow twice in one batch (a proxy retrying its append): keep the first.
         unique = []
         for p in prepared:

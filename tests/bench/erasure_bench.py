@@ -59,10 +59,10 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
         "INSERT INTO governance_interaction (flow_id, tenant_id, agent_id, trajectory_id, "
         "step_id, endpoint, method, path, status_code, is_stream, request_is_json, error_kind, "
         "error_message, subject_hash, consent, started_at, first_byte_at, ended_at, "
-        "raw_ciphertext, state, state_reason, proxy_instance, shipped_at) "
+        "raw_ciphertext, raw_base_flow, state, state_reason, proxy_instance, shipped_at) "
         f"SELECT 'f' || g, %s, %s, {traj}, md5('s' || g)::uuid, 'chat.completions', 'POST', "
         "'/v1/chat/completions', 200, false, true, '', '', '', 'train', "
-        f"{ts}, {ts}, {ts}, decode(md5(g::text) || md5(g::text), 'hex'), 'processed', '', "
+        f"{ts}, {ts}, {ts}, decode(md5(g::text) || md5(g::text), 'hex'), '', 'processed', '', "
         "'bench:0', now() FROM generate_series(0, %s) g", [tenant_id, agent_id, n_steps - 1])
     cursor.execute("SELECT min(id) FROM governance_interaction")
     first_ia = cursor.fetchone()[0]
@@ -70,20 +70,21 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
         "INSERT INTO governance_step (id, tenant_id, trajectory_id, interaction_id, endpoint, "
         "started_at, ended_at, status_code, request_model, response_model, response_id, "
         "observation, hidden_state, action, tokens, usage, timings, versions, metadata, "
-        "classification, consent, sanitizer_version, training_eligible, created_at) "
+        "classification, consent, sanitizer_version, training_eligible, created_at, kept, "
+        "appended, item_refs, history_digest, history_length) "
         f"SELECT md5('s' || g)::uuid, %s, {traj}, %s + g, 'chat.completions', {ts}, {ts}, "
         "200, 'm', 'm-1', 'chatcmpl-' || g, "
         "'{\"messages\": [{\"role\": \"user\", \"content\": \"<EMAIL_ADDRESS_1> asks\"}]}', "
         "'{}', '{\"messages\": [{\"role\": \"assistant\", \"content\": \"ok\"}]}', '{}', "
-        "'{}', '{}', '{}', '{}', 'internal', 'train', 'bench-1', true, now() "
-        "FROM generate_series(0, %s) g", [tenant_id, first_ia, n_steps - 1])
+        "'{}', '{}', '{}', '{}', 'internal', 'train', 'bench-1', true, now(), 0, '{}', '{}', "
+        "'', 0 FROM generate_series(0, %s) g", [tenant_id, first_ia, n_steps - 1])
     cursor.execute(
-        "INSERT INTO governance_finding (tenant_id, step_id, interaction_id, side, entity_type, "
+        "INSERT INTO governance_finding (tenant_id, step_id, side, entity_type, "
         "path, value_path, start, \"end\", score, recognizer, operator, sanitizer_version, "
-        "created_at) SELECT %s, md5('s' || g)::uuid, %s + g, 'request', 'EMAIL_ADDRESS', "
+        "created_at) SELECT %s, md5('s' || g)::uuid, 'request', 'EMAIL_ADDRESS', "
         "'$.messages[0].content', '', 0, 10, 1.0, 'email', 'placeholder', 'bench-1', now() "
         f"FROM generate_series(0, %s, {STEPS_PER_TRAJECTORY}) g",
-        [tenant_id, first_ia, n_steps - 1])
+        [tenant_id, n_steps - 1])
     cursor.execute(
         "INSERT INTO governance_subjectindex (tenant_id, trajectory_id, step_id, "
         "interaction_id, source, entity_types, hashes, created_at) "
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         assert index_hash in lookup_hashes(tenant.pk, SUBJECT)
 
         t0 = time.perf_counter()
-        with transaction.atomic(), connection.cursor() as cursor:
+        with transaction.atomic(), tenant_context(tenant), connection.cursor() as cursor:
             seeded = seed(cursor, tenant.pk, agent.pk, args.steps, h, index_hash,
                           args.subject_trajectories)
             ds = Dataset.objects.create(tenant=tenant, name="bench")

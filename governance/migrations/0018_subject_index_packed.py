@@ -6,7 +6,8 @@ identifier holding its hash as 64 hex digits under three B-tree indexes.
 The deferred foreign-key checks of the moved rows run at the end of each RunSQL (SET
 CONSTRAINTS ALL IMMEDIATE): PostgreSQL refuses the ALTER TABLE that follows while they pend.
 Reversible: the hashes are the whole 32-byte HMACs, so going back restores the rows exactly (one
-per identifier, the hash as hex). Both directions run under the system scope (row-level
+per identifier, the hash as hex). A stored hash that is not 64 hex digits (none is written by the
+product; tests and hand-made rows) is kept as its UTF-8 bytes and comes back as it was. Both directions run under the system scope (row-level
 security is forced on the table, for its owner too).
 """
 
@@ -22,7 +23,9 @@ INSERT INTO governance_subjectindex
      created_at, hash, entity_type)
 SELECT tenant_id, trajectory_id, step_id, interaction_id, item_id, src,
        array_agg(entity_type ORDER BY entity_type, hash),
-       array_agg(decode(hash, 'hex') ORDER BY entity_type, hash), min(created_at), '', ''
+       array_agg(CASE WHEN hash ~ '^[0-9a-f]{64}$' THEN decode(hash, 'hex')
+                      ELSE convert_to(hash, 'UTF8') END ORDER BY entity_type, hash),
+       min(created_at), '', ''
 FROM (
     SELECT id, tenant_id, trajectory_id, step_id, interaction_id, item_id, entity_type, hash,
            created_at, CASE
@@ -31,7 +34,7 @@ FROM (
         WHEN item_id IS NOT NULL THEN 'item'
         ELSE 'step' END AS src
     FROM governance_subjectindex
-    WHERE hash ~ '^[0-9a-f]{64}$' AND cardinality(hashes) = 0
+    WHERE cardinality(hashes) = 0
 ) AS one
 GROUP BY tenant_id, trajectory_id, step_id, interaction_id, item_id, src,
          CASE WHEN src = 'scan' THEN id END;
@@ -44,7 +47,9 @@ INSERT INTO governance_subjectindex
     (tenant_id, trajectory_id, step_id, interaction_id, item_id, source, entity_types, hashes,
      created_at, hash, entity_type)
 SELECT s.tenant_id, s.trajectory_id, s.step_id, s.interaction_id, s.item_id, '', '{}', '{}',
-       s.created_at, encode(u.h, 'hex'), u.t
+       s.created_at,
+       CASE WHEN length(u.h) = 32 THEN encode(u.h, 'hex') ELSE convert_from(u.h, 'UTF8') END,
+       u.t
 FROM governance_subjectindex s, unnest(s.hashes, s.entity_types) AS u(h, t)
 WHERE cardinality(s.hashes) > 0;
 DELETE FROM governance_subjectindex WHERE cardinality(hashes) > 0;
@@ -54,7 +59,7 @@ SET CONSTRAINTS ALL IMMEDIATE;
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("governance", "0016_raw_request_deltas"),
+        ("governance", "0017_time_partitions"),
     ]
 
     operations = [

@@ -34,7 +34,7 @@ def fold_deltas(apps, schema_editor) -> None:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("governance", "0017_subject_index_packed"),
+        ("governance", "0018_subject_index_packed"),
     ]
 
     operations = [
