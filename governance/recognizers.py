@@ -887,7 +887,7 @@ _STREET_PARTICLE = (r"(?:de|del|de la|do|da|dos|das|di|della|delle|dello|degli|d
 _STREET = re.compile(
     rf"(?:\b\d{{1,6}}[A-Za-z]?[ \t]+)?(?:"
     rf"{_CAPW}(?:[ \t]+{_CAPW}){{0,3}}[ \t]+{_STREET_SUFFIX}(?![{LO}])"
-    rf"|[{UP}]{_L}*{_GLUED}\b\.?"
+    rf"|[{UP}]{_L}*{_GLUED}(?:\b|(?<=\.))\.?"
     rf"|[{UP}]{_L}+[ \t]+{_GLUED}\b"
     # "20789 Allika 46": a postcode or house number, a name, a house number
     rf"|(?<=\d[ \t])[{UP}]{_L}+(?:-[{UP}]{_L}+)?(?:[ \t]+[{UP}]{_L}+){{0,2}}"

@@ -447,9 +447,23 @@ _POSTCODE_AFTER = re.compile(
 _YEAR = re.compile(r"(?:19|20)\d\d")
 
 
+# ... and before a city, the continental order, when the two make a part of their own (a line,
+# or after a comma, up to the line's end or a comma: "Rivoli 12, 75001 Paris, France",
+# "\n10115 Berlin"); "we hired 1500 Berlin employees" is a count.
+_POSTCODE_BEFORE = re.compile(
+    r"(?:^|(?<=\n)|(?<=,)|(?<=,[ \t]))[ \t]*(\d{4,6}|\d{3}[ \t]\d{2}|\d{2}-\d{3}|"
+    r"\d{4}[ \t]?[A-Z]{2})[ \t]+$")
+_PART_END = re.compile(r"[ \t]*(?:$|[,;\n)]|\.(?!\w))")
+
+
 def _postcodes_after_places(text: str, spans: list[R.Span]) -> list[R.Span]:
     out = []
     for s in spans:
+        if s.entity_type == "LOCATION" and _PART_END.match(text, s.end):
+            b = _POSTCODE_BEFORE.search(text, max(0, s.start - 12), s.start)
+            if b and not _YEAR.fullmatch(b.group(1)):
+                out.append(R.Span("STREET_ADDRESS", b.start(1), b.end(1), 0.65,
+                                  "postcode_before_place"))
         if s.entity_type not in ("LOCATION", "COUNTRY", "STREET_ADDRESS"):
             continue
         m = _POSTCODE_AFTER.match(text, s.end)

@@ -263,6 +263,10 @@ class GazetteerNameRecognizer:
             # "my manager Reviewed the PR": a past tense or a gerund is no name, unless known.
             if word.casefold().endswith(("ed", "ing")) and not is_name(word):
                 continue
+            # "No module named pandas", "a column named total": after "named"/"called" a
+            # lower-case word is a name only when the gazetteer knows it ("a guy named bob").
+            if word[:1].islower() and not in_any_list(word):
+                continue
             if word.casefold() not in _ENGLISH and word.casefold() not in R.AGENT_VOCAB:
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.7, "name_cue")
         for rx in (_WEAK_BEFORE, _WEAK_AFTER):
