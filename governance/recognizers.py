@@ -1053,6 +1053,17 @@ _PLACE_BEFORE_POSTCODE = re.compile(
 _CITY_ABOVE_COUNTRY = re.compile(
     rf"(?m)^[ \t>?*\-]*({_PLACE_RUN})[ \t]*,?[ \t]*\r?\n[ \t>?*\-]*"
     rf"([{UP}][^\n\d,:;]*?)(?:[ \t]*,?[ \t]+{_BLOCK_POSTCODE})?[ \t]*\r?$")
+# A labelled field in text (a form, a YAML or log line, JSON that is not parsed) whose key
+# names a place ("City: Egilsstaðir", "town = 'Laax'", "\"county\": \"Kerry\""): the key rule
+# of tool JSON (KEYED_ENTITIES) for text. The value is letters only ("Region: us-east-1" is
+# not a place, nor is "City: N/A").
+_PLACE_FIELD = re.compile(
+    rf"(?i:(?:^[ \t>*\-]*|(?<=[{{,;|])[ \t]*)[\"']?(?:city|town|village|municipality|"
+    rf"county|province|hometown|home[ _]town|birthplace|place[ _]of[ _]birth|suburb|"
+    rf"locality)[\"']?[ \t]*[:=][ \t]*"
+    rf"[\"']?)([{UP}{LO}][{UP}{LO}'’.\-]*(?:[ \t]+[{UP}{LO}][{UP}{LO}'’.\-]*){{0,3}})"
+    rf"(?=[ \t]*(?:$|[\n\r,;\"'}})]))", re.M)
+_NULL_VALUES = frozenset("n/a na none null nil unknown tbd tbc - empty".split())
 _NOT_PLACES = frozenset(w.casefold() for w in """
 UTC GMT PROD PRODUCTION STAGING DEV TEST TODO README NOTE WARN WARNING ERROR INFO DEBUG
 Step Stage Phase Line Row Column Page Room Gate Build Version Release Issue Ticket Order Case
@@ -1076,6 +1087,10 @@ class PlaceCueRecognizer:
     def find(self, text: str) -> Iterable[Span]:
         if self._countries is None:
             self._countries = country_names()
+        for m in _PLACE_FIELD.finditer(text):
+            value = m.group(1).rstrip(".")
+            if value.casefold() not in _NULL_VALUES and value.casefold() not in AGENT_VOCAB:
+                yield Span("LOCATION", m.start(1), m.start(1) + len(value), 0.7, "place_field")
         for rx, score in ((_PLACE_CUE, 0.6), (_CAPS_AFTER_PREP, 0.55),
                           (_PLACE_BEFORE_POSTCODE, 0.6), (_CITY_ABOVE_COUNTRY, 0.6)):
             if rx is _CITY_ABOVE_COUNTRY and "\n" not in text:

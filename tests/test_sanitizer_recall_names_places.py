@@ -4,8 +4,9 @@ traffic: the broad name gazetteer, weak lower-case cues, strong cues, list partn
 after places, places before postcodes, "moved here from"; and those of decision 35: the NER
 model (en_core_web_md), overlapping first-name + surname candidates, initials beyond ASCII,
 lower-case lists and dialogues, address blocks (two leading numbers, lower-case Romance street
-words, "Strasse 89", postcode lines, the city line above a country line) and phone numbers
-glued after a comma.
+words, "Strasse 89", postcode lines, the city line above a country line, a postcode before its
+city), labelled place fields in text, "named" + a lower-case word, and phone numbers glued
+after a comma.
 
 Everything goes through the product path (`Sanitizer.sanitize_bodies`) with the default
 policy, in every placement the benchmark uses."""
@@ -77,6 +78,9 @@ POSITIVES = [
     # addresses)
     ("Send it to Rue de Rivoli 12, 75001 Paris, France", ["75001", "Paris"]),
     ("Hauptstr. 5\n10115 Berlin", ["Hauptstr. 5", "10115"]),
+    # a labelled place field in text (a form, a log line, JSON that is not parsed)
+    ("Customer record\nCity: Egilsstaðir\nCountry: Iceland", ["Egilsstaðir"]),
+    ('payload={"city": "Kędzierzyn-Koźle", "n": 3}', ["Kędzierzyn-Koźle"]),
     # after "named" a lower-case known name is still a name
     ("there was a guy named bob at the desk", ["bob"]),
     # a phone glued after a comma in a contact block
@@ -119,6 +123,9 @@ NEGATIVES = [
     ("ERROR\nFrance", ["ERROR"]),
     # "via" is an English word: a number before it makes no street
     ("retried 2 via Redis after the timeout", ["2 via Redis"]),
+    # a place field needs a place: no region code, no null value, no key inside a sentence
+    ("Status: Running\nRegion: us-east-1\nCity: N/A", ["us-east-1", "N/A"]),
+    ("Chapter two of the city: a novel", ["a novel"]),
     # after "named" a lower-case word the gazetteer does not know is a word
     ("ModuleNotFoundError: No module named pandas", ["pandas"]),
     ("create a column named total_amount", ["total_amount"]),
