@@ -58,7 +58,7 @@ def load_nlp(ner_only: bool = True):
 
 
 # Model labels whose span makes a weak name guess lose ("Ask Stack Overflow"). Not ORG: the
-# small model calls many unfamiliar person names organisations (nor NORP: unfamiliar first
+# model calls many unfamiliar person names organisations (nor NORP: unfamiliar first
 # names come out as nationalities).
 _NOT_A_PERSON = frozenset({"FAC", "PRODUCT", "WORK_OF_ART", "EVENT", "LAW", "LANGUAGE"})
 _NER_TYPES = frozenset({"LOCATION", "COUNTRY", "ORGANIZATION"})

@@ -330,7 +330,7 @@ GAZETTEER_NAMES = GazetteerNameRecognizer()
 
 def reclassify_as_person(label: str, value: str) -> bool:
     """A model entity that is made of known names only: a person the model mislabelled
-    (spaCy's small model calls many unfamiliar names ORG, NORP or PRODUCT)."""
+    (spaCy's English models call many unfamiliar names ORG, NORP or PRODUCT)."""
     if label in ("ORG", "PRODUCT", "WORK_OF_ART", "EVENT", "FAC", "LAW", "CARDINAL"):
         return all_names(value, need_first=False)
     if label in ("GPE", "LOC", "NORP"):  # "Berlin", "Swedish" are surnames too: two words
