@@ -359,7 +359,9 @@ PATTERNS: tuple[PatternRecognizer, ...] = (
 PHONE_REGIONS = ("US", "GB", "DE", "FR", "IN", "BR", "AU", "JP", "ES", "IT", "NL", "CA", "MX",
                  "CN", "IE", "CH")
 _PHONE_CANDIDATE = re.compile(
-    r"(?:(?<=[,:])\+|(?<![\w#/$€£.,:+-])(?:\+|00)?)\(?\d[\d ().\-/]{5,22}\d"
+    # (after a comma only when no digit precedes it: "-Office,07700 063 966" in a contact
+    # block is a phone, "1,234,567" a thousands-separated count)
+    r"(?:(?<=[,:])\+|(?<![\w#/$€£.,:+-])(?:\+|00)?|(?<=[^\d\s,.],))\(?\d[\d ().\-/]{5,22}\d"
     # (a label glued after the number, "082 490 1693-Office", is not part of it)
     r"(?:\s?(?:x|ext\.?|extension)\s?\d{1,6})?(?![\w/:]|-\d|\.\d|,\d)")
 _EPOCH = re.compile(r"1[5-9]\d{8}|1[5-9]\d{11}")
@@ -880,29 +882,47 @@ _STREET_PREFIX = (r"(?:Via|Viale|Vicolo|Piazza|Piazzale|Corso|Largo|Strada|Calle
                   r"Avinguda|Paseo|Passeig|Camino|Plaza|Pl\.|Ronda|Travesía|Rua|Rúa|Avda\.?|"
                   r"Travessa|Praça|Largo|Rue|Boulevard|Bd|Bld|Chemin|Allée|Impasse|Quai|Place|"
                   r"Route|ul\.|ulica|al\.|aleja|os\.|pl\.|Str\.|Strada|Odos|Odós|Leoforos)")
+_STREET_PARTICLE = (r"(?:de|del|de la|do|da|dos|das|di|della|delle|dello|degli|dell'|du|des|"
+                    r"la|le|dei)")
 _STREET = re.compile(
     rf"(?:\b\d{{1,6}}[A-Za-z]?[ \t]+)?(?:"
     rf"{_CAPW}(?:[ \t]+{_CAPW}){{0,3}}[ \t]+{_STREET_SUFFIX}(?![{LO}])"
-    rf"|[{UP}]{_L}*{_GLUED}\b\.?"
+    rf"|[{UP}]{_L}*{_GLUED}(?:\b|(?<=\.))\.?"
     rf"|[{UP}]{_L}+[ \t]+{_GLUED}\b"
     # "20789 Allika 46": a postcode or house number, a name, a house number
-    rf"|(?<=\d[ \t])[{UP}]{_L}+(?:[ \t]+[{UP}]{_L}+){{0,2}}(?=[ \t]+\d{{1,4}}[A-Za-z]?\b)"
-    rf"|\b{_STREET_PREFIX}[ \t]+(?:(?:de|del|de la|do|da|dos|das|di|della|du|des|la|le|"
-    rf"dei)[ \t]+)*{_CAPW}(?:[ \t]+{_CAPW}){{0,3}}"
+    rf"|(?<=\d[ \t])[{UP}]{_L}+(?:-[{UP}]{_L}+)?(?:[ \t]+[{UP}]{_L}+){{0,2}}"
+    rf"(?=[ \t]+\d{{1,4}}[A-Za-z]?\b)"
+    rf"|\b{_STREET_PREFIX}[ \t]+(?:{_STREET_PARTICLE}[ \t]+)*{_CAPW}(?:[ \t]+{_CAPW}){{0,3}}"
+    # "Villacher Strasse 89": the Germanic/Nordic street word written apart, then a number
+    rf"|[{UP}]{_L}+[ \t]+(?:Stra(?:ss|ß)e|Straat|Gasse|Weg|Allee|Platz|Gata|Gatan|Vej|Vei|"
+    rf"Veien|Utca|Katu|Ulica|Cesta)(?=[ \t]+\d{{1,5}}[A-Za-z]?\b)"
     rf")(?:[ \t]+\d{{1,5}}[A-Za-z]?\b\.?)?")
+# A house number, then a Romance street word in lower case and the name ("26 rue des
+# lieutemants Thomazo", "33 avenue de Provence"): the number is required ("2 via Redis" is
+# not a street, so neither "via" nor "place" is in the list).
+_STREET_LOWER = re.compile(
+    rf"\b\d{{1,5}}[A-Za-z]?[ \t]+(?:rue|avenue|calle|chemin|rua|viale|piazza|corso|avenida|"
+    rf"paseo|ulica|boulevard|allée|impasse|quai)[ \t]+(?:{_STREET_PARTICLE}[ \t]+)*"
+    rf"[{UP}{LO}][{LO}'’\-]+(?:[ \t]+[{UP}][{LO}'’\-]+|[ \t]+[{LO}]{{3,}}(?=[ \t]*$|[ \t]*\n|"
+    rf"[ \t]+(?:[{UP}]|\d)))?")
 _UNIT = re.compile(
     r"(?i)\b(?:apt\.?|apartment|suite|ste\.?|unit|flat|floor|fl\.|room|rm\.?|bldg\.?|"
     r"building)[ \t]*#?[ \t]*\d{1,5}[A-Za-z]?\b"
     r"|\b(?:P\.?[ \t]?O\.?[ \t]?Box|PO Box|Box|Postfach|Apartado|Casilla)[ \t]+\d{1,6}\b"
     r"|\b(?:APO|FPO|DPO)[ \t]+(?:AA|AE|AP)[ \t]+\d{5}\b"
     r"|\bUS(?:NS|NV|S|CGC)[ \t]+[A-Z][a-z]+\b")
+# A postcode on a line of an address block: digits ("6280", "340 12", "1012 AB", "02-495"
+# is not), or a Canadian/British-style letter-digit code ("B0J 2H0", "SW1A 1AA").
+_BLOCK_POSTCODE = (r"(?:\d{3,6}(?:[ \t-]?[A-Z]{2}|[ \t]\d{2,3})?(?![\w])"
+                   r"|[A-Z]\d[A-Z][ \t]?\d[A-Z]\d|[A-Z]{1,2}\d[A-Z\d]?[ \t]\d[A-Z]{2})")
 _STATE_OR_CITY_LINE = re.compile(
-    rf"[ \t]*(?:[{UP}][{UP}{LO}'’.\-]*|\d{{3,6}}(?:[ \t-]?[A-Z]{{2}}|[ \t]\d{{2,3}})?|nan)"
-    rf"(?:[ \t]+(?:[{UP}][{UP}{LO}'’.\-]*|\d{{3,6}}(?:[ \t]?[A-Z]{{2}})?|nan|de|del|am|an|"
+    rf"[ \t]*(?:{_BLOCK_POSTCODE}|[{UP}][{UP}{LO}'’.\-]*|nan)"
+    rf"(?:[ \t]+(?:{_BLOCK_POSTCODE}|[{UP}][{UP}{LO}'’.\-]*|nan|de|del|am|an|"
     rf"der|sur|upon|on|la|le)){{0,4}}[ \t]*")
 _ZIP_CONTEXT = re.compile(
     r"(?i)\b(?:zip(?:[ \t]?code)?|postal[ \t]?code|post[ \t]?code|postcode|plz|cap|cp)"
     r"\b[^\n\d]{0,12}?(\d{3,6}(?:[ \t-]?[A-Z]{2}|[ \t-]\d{2,4})?)\b")
+_LEADING_NUMBER = re.compile(r"(?<![\w.,:/-])\d{1,6}[ \t]+$")
 _BLOCK_STOP = re.compile(r"(?i)^(?:phone|tel|mobile|fax|email|e-mail|website|web|dear|hi|"
                          r"hello|thanks|regards|note|nan\S)")
 
@@ -918,12 +938,19 @@ class AddressRecognizer:
 
     def find(self, text: str) -> Iterable[Span]:
         spans: list[tuple[int, int]] = []
-        for rx in (_STREET, _UNIT):
+        for rx in (_STREET, _STREET_LOWER, _UNIT):
             for m in rx.finditer(text):
                 value = m.group(0)
                 if rx is _STREET and not self._plausible_street(value):
                     continue
-                spans.append((m.start(), m.end()))
+                start = m.start()
+                if rx is not _UNIT:
+                    # "2274 Via delle Coste 41", "76556 29 Rue de Tanger": a second number
+                    # (a postcode or a building number) glued before the street is part of it.
+                    lead = _LEADING_NUMBER.search(text, max(0, start - 10), start)
+                    if lead is not None:
+                        start = lead.start()
+                spans.append((start, m.end()))
         spans.sort()
         merged: list[list[int]] = []
         for start, end in spans:
@@ -1020,6 +1047,23 @@ _CAPS_AFTER_PREP = re.compile(
 _PLACE_BEFORE_POSTCODE = re.compile(
     rf"(?i:\b(?:in|at|near|from)[ \t]+)({_PLACE_RUN})(?=[ \t]+(?!(?:19|20)\d\d\b)"
     rf"(?:\d{{4,6}}|\d{{3}}[ \t]\d{{2}}|\d{{2}}-\d{{3}}|\d{{4}}-\d{{3}})(?![\w:.,/-]\w|[\w%]))")
+# The line above a country line in an address block is its city ("ALFRICK\nUnited Kingdom",
+# "EBEN\nAustria", "Mill Village\nCanada B0J 2H0"): checked against libphonenumber's country
+# names, so only a real country line makes the line above it a place.
+_CITY_ABOVE_COUNTRY = re.compile(
+    rf"(?m)^[ \t>?*\-]*({_PLACE_RUN})[ \t]*,?[ \t]*\r?\n[ \t>?*\-]*"
+    rf"([{UP}][^\n\d,:;]*?)(?:[ \t]*,?[ \t]+{_BLOCK_POSTCODE})?[ \t]*\r?$")
+# A labelled field in text (a form, a YAML or log line, JSON that is not parsed) whose key
+# names a place ("City: Egilsstaðir", "town = 'Laax'", "\"county\": \"Kerry\""): the key rule
+# of tool JSON (KEYED_ENTITIES) for text. The value is letters only ("Region: us-east-1" is
+# not a place, nor is "City: N/A").
+_PLACE_FIELD = re.compile(
+    rf"(?i:(?:^[ \t>*\-]*|(?<=[{{,;|])[ \t]*)[\"']?(?:city|town|village|municipality|"
+    rf"county|province|hometown|home[ _]town|birthplace|place[ _]of[ _]birth|suburb|"
+    rf"locality)[\"']?[ \t]*[:=][ \t]*"
+    rf"[\"']?)([{UP}{LO}][{UP}{LO}'’.\-]*(?:[ \t]+[{UP}{LO}][{UP}{LO}'’.\-]*){{0,3}})"
+    rf"(?=[ \t]*(?:$|[\n\r,;\"'}})]))", re.M)
+_NULL_VALUES = frozenset("n/a na none null nil unknown tbd tbc - empty".split())
 _NOT_PLACES = frozenset(w.casefold() for w in """
 UTC GMT PROD PRODUCTION STAGING DEV TEST TODO README NOTE WARN WARNING ERROR INFO DEBUG
 Step Stage Phase Line Row Column Page Room Gate Build Version Release Issue Ticket Order Case
@@ -1043,9 +1087,17 @@ class PlaceCueRecognizer:
     def find(self, text: str) -> Iterable[Span]:
         if self._countries is None:
             self._countries = country_names()
+        for m in _PLACE_FIELD.finditer(text):
+            value = m.group(1).rstrip(".")
+            if value.casefold() not in _NULL_VALUES and value.casefold() not in AGENT_VOCAB:
+                yield Span("LOCATION", m.start(1), m.start(1) + len(value), 0.7, "place_field")
         for rx, score in ((_PLACE_CUE, 0.6), (_CAPS_AFTER_PREP, 0.55),
-                          (_PLACE_BEFORE_POSTCODE, 0.6)):
+                          (_PLACE_BEFORE_POSTCODE, 0.6), (_CITY_ABOVE_COUNTRY, 0.6)):
+            if rx is _CITY_ABOVE_COUNTRY and "\n" not in text:
+                continue
             for m in rx.finditer(text):
+                if rx is _CITY_ABOVE_COUNTRY and not self._city_line(text, m):
+                    continue
                 words = m.group(1).split()
                 while words and (words[-1].casefold() in AGENT_VOCAB
                                  or words[-1].casefold() in ORG_WORDS
@@ -1059,6 +1111,23 @@ class PlaceCueRecognizer:
                     continue  # a country alone: NER's COUNTRY, kept
                 end = m.start(1) + len(value) if m.group(1).startswith(value) else m.end(1)
                 yield Span("LOCATION", m.start(1), end, score, self.name)
+
+
+    def _city_line(self, text: str, m: re.Match[str]) -> bool:
+        countries = self._countries or frozenset()
+        if m.group(2).strip().casefold() not in countries:
+            return False
+        if any(w.casefold() in ORG_WORDS or w.casefold() in _LIST_HEADERS
+               for w in m.group(1).split()):
+            return False
+        # A header above a list of countries ("Regions\nFrance\nSpain") is no city.
+        following = text[m.end():].lstrip("\r\n").split("\n", 1)[0]
+        return following.strip(" \t>?*-").casefold() not in countries
+
+
+_LIST_HEADERS = frozenset("""country countries region regions location locations destination
+destinations market markets origin origins nationality citizenship residence shipping billing
+address from to where""".split())
 
 
 # --- government and account ids named in the text -----------------------------------------------

