@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.conf import settings
 from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
@@ -21,7 +20,7 @@ from governance.capture.placeholders import (
 )
 from governance.models import PlaceholderDelta, Trajectory
 from governance.sanitizer import PlaceholderState
-from governance.tenancy import grant_app_privileges, tenant_context
+from governance.tenancy import tenant_context
 
 SECRET = b"k" * 32
 
@@ -93,8 +92,7 @@ def test_migration_0019_back_folds_the_deltas_into_the_base(tenant, agent, trans
     folded = folded if isinstance(folded, dict) else json.loads(folded)
     assert folded == whole
     call_command("migrate", "governance", verbosity=0)
-    # As after every migrate in production: the app role's grants on the re-created table.
-    with connection.cursor() as cur:
-        grant_app_privileges(cur, settings.STEWARD_DB_SCOPE_ROLE)
+    # The re-created table has the app role's grants again (copied from the trajectories'):
+    # this test's scope runs as that role.
     with tenant_context(tenant):
         assert placeholder_state(traj.pk).to_json() == whole

@@ -2,7 +2,8 @@
 governance/capture/placeholders.py): Trajectory.sanitizer_state_seq and PlaceholderDelta, behind
 the tenant row-level security policy.
 
-Forward needs no data step: a trajectory's existing state is its base (seq 0). Backward folds
+Forward needs no data step: a trajectory's existing state is its base (seq 0); the new table gets
+the trajectory table's grants (the app role's). Backward folds
 each trajectory's deltas into its base column before the table goes, so the numbering survives
 the round trip.
 """
@@ -11,6 +12,23 @@ import django.db.models.deletion
 from django.db import migrations, models
 
 from governance.tenancy import tenant_rls_sql
+
+
+def copy_grants(apps, schema_editor) -> None:
+    """The new table gets the grants its trajectory table has (the app role's, as
+    `grant_app_privileges` gave them after the last migrate), so that the app keeps working
+    right after this migration — also when it runs again after going back past it."""
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END, "
+            "a.privilege_type FROM pg_class c, aclexplode(c.relacl) a "
+            "LEFT JOIN pg_roles r ON r.oid = a.grantee "
+            "WHERE c.oid = 'governance_trajectory'::regclass AND a.grantee <> c.relowner")
+        grants = cursor.fetchall()
+    for grantee, privilege in grants:
+        if privilege in ("SELECT", "INSERT", "UPDATE", "DELETE"):
+            schema_editor.execute(f"GRANT {privilege} ON governance_placeholderdelta "
+                                  f"TO {grantee}")
 
 
 def fold_deltas(apps, schema_editor) -> None:
@@ -63,5 +81,6 @@ class Migration(migrations.Migration):
             },
         ),
         migrations.RunSQL(*tenant_rls_sql("governance_placeholderdelta")),
+        migrations.RunPython(copy_grants, migrations.RunPython.noop),
         migrations.RunPython(migrations.RunPython.noop, fold_deltas),
     ]
