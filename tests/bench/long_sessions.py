@@ -30,8 +30,11 @@ the app schema, before/after; nothing is deleted between runs), the ATDP documen
 (governance.capture.atdp.trajectory_document of each trajectory), database bytes per call against
 the call's new content (JSON of the new messages), the sustained calls/s (calls / time to
 sanitized) with step lag p50/p95 (step created_at - the proxy's t_request), and the ratios
-session / one-off. Then the NER floor: spaCy (the sanitizer's model, loaded as the sanitizer loads
-it) over just the new text of the same calls, as calls/s, next to the pipeline's sustained rate.
+session / one-off. Beside each run, the agent alone: the same calls sent straight to the upstream
+(no proxy) by the same client, timed — what the agent spends building and sending its requests
+whatever sits between it and the model (the openai client's request building grows with a
+long message list) — and the time to sanitized beyond it. Then the NER floor: spaCy (the
+sanitizer's model, loaded as the sanitizer loads it) over just the new text of the same calls, as calls/s, next to the pipeline's sustained rate.
 `--paced-shape N` (default 60 when 60 is among the shapes) runs that shape's sessions once more,
 paced at `--paced-fraction` of the sustained rate just measured, and reports the lag p95 at that
 rate (target, issue 16: < 5 s).
@@ -311,6 +314,7 @@ class Appliance:
     keys: dict[str, str]  # agent name -> proxy key secret
     processes: dict[str, subprocess.Popen]
     tmp: Path
+    upstream_url: str = ""  # the local upstream's /v1, for the agent-alone baseline
     warmup_s: float = 0.0
     failed: list[str] = field(default_factory=list)
 
@@ -399,7 +403,8 @@ def appliance(server: str, broker: str, agents: list[str], keep_db: bool = False
         wait_for_port(cfg.proxy_port, timeout=60, process=processes["proxy"])
         for secret in keys.values():
             wait_for_key(proxy, secret)
-        yield Appliance(proxy.base_url, tenant, keys, processes, tmp)
+        yield Appliance(proxy.base_url, tenant, keys, processes, tmp,
+                        upstream_url=upstream.rstrip("/").removesuffix("/v1") + "/v1")
         ok = True
     finally:
         stop_processes(list(processes.values()))
@@ -437,12 +442,14 @@ def built(app: Appliance, agent: str) -> tuple[int, int]:
 
 
 def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,
-                 due: Callable[[int], float] | None) -> None:
+                 due: Callable[[int], float] | None, direct: bool = False) -> None:
     """One agent session with the openai client: call k sends request_messages(turns, k, mode)
-    and must get back the tool call that turns[k + 1] starts with (the proxy changed nothing)."""
+    and must get back the tool call that turns[k + 1] starts with (the proxy changed nothing).
+    `direct`: to the upstream itself, not through the proxy (the agent-alone baseline)."""
     import openai
 
-    client = openai.OpenAI(base_url=app.base_url, api_key=app.keys[agent], max_retries=0,
+    client = openai.OpenAI(base_url=app.upstream_url if direct else app.base_url,
+                           api_key="direct" if direct else app.keys[agent], max_retries=0,
                            timeout=300)
     session = f"bench-{uuid.uuid4().hex}"
     for k in range(len(turns)):
@@ -456,6 +463,29 @@ def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,
         got = (reply.choices[0].message.tool_calls or [None])[0]
         if got is None or got.id != want:
             raise RuntimeError(f"call {k}: the upstream's tool call did not come back intact")
+
+
+def agent_alone(app: Appliance, scripts: list[list[list[dict]]], mode: str) -> float:
+    """Seconds the same sessions take straight to the upstream, no proxy: what the agent
+    itself spends (the openai client building and sending the requests, the upstream
+    answering) and the appliance cannot take away. Sessions in threads, as `run` sends them."""
+    errors: list[BaseException] = []
+
+    def session(i: int) -> None:
+        try:
+            send_session(app, "", scripts[i], mode, None, direct=True)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    t0 = time.time()
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(len(scripts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise SystemExit(f"{mode} without the proxy: sending failed: {errors[0]!r}")
+    return round(time.time() - t0, 2)
 
 
 def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
@@ -579,6 +609,8 @@ def bench(args: argparse.Namespace) -> dict:
             scripts = [script(1000 * n + i, n, int(kb * 1024)) for i in range(args.sessions)]
             runs = {m: run(app, agent_name(n, m), scripts, m, None, args.drain_timeout)
                     for m in modes}
+            for m in modes:
+                runs[m]["agent_alone_s"] = agent_alone(app, scripts, m)
             entry = {"calls_per_session": n, "sessions": args.sessions,
                      "new_kb_per_call": round(kb, 2),
                      "context_kb_last_call": round(message_bytes(
@@ -595,6 +627,12 @@ def bench(args: argparse.Namespace) -> dict:
     return {"shapes": shapes, "failed": failed, "warmup_s": warmup_s,
             "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def beyond_agent(r: dict) -> float | None:
+    """Time to sanitized less what the agent alone spends sending the same calls."""
+    alone = r.get("agent_alone_s")
+    return None if alone is None else round(max(r["time_to_sanitized_s"] - alone, 0.0), 2)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -639,6 +677,8 @@ def shape_table(entry: dict) -> str:
     rows: list[tuple[str, Callable[[dict], Any]]] = [
         ("time until every step is sanitized s", lambda r: r["time_to_sanitized_s"]),
         ("  of which sending s", lambda r: r["sent_s"]),
+        ("agent alone (no proxy) sending s", lambda r: r.get("agent_alone_s")),
+        ("time to sanitized beyond the agent s", lambda r: beyond_agent(r)),
         ("database growth MB", lambda r: r["db_growth_bytes"] / mb),
         ("ATDP documents MB", lambda r: r["atdp_bytes"] / mb),
         ("ATDP documents, compact form MB", lambda r: r["atdp_compact_bytes"] / mb),
@@ -661,7 +701,8 @@ def shape_table(entry: dict) -> str:
     for label, get in rows:
         values = {m: get(runs[m]) for m in modes}
         line = f"{label:38}" + "".join(f"{_fmt(values[m]):>12}" for m in modes)
-        if not label.startswith(("trajectories", "steps", "new content", "  of which")):
+        if not label.startswith(("trajectories", "steps", "new content", "  of which",
+                                 "agent alone")):
             line += "".join(f"{_fmt(ratio(values[m], values['one-off'])):>15}"
                             for m in modes if m != "one-off")
         lines.append(line)
