@@ -34,7 +34,8 @@ session / one-off. Beside each run, the agent alone: the same calls sent straigh
 (no proxy) by the same client, timed — what the agent spends building and sending its requests
 whatever sits between it and the model (the openai client's request building grows with a
 long message list) — and the time to sanitized beyond it. Then the NER floor: spaCy (the
-sanitizer's model, loaded as the sanitizer loads it) over just the new text of the same calls, as calls/s, next to the pipeline's sustained rate.
+sanitizer's model, loaded as the sanitizer loads it) over just the new text of the same calls,
+as calls/s, next to the pipeline's sustained rate.
 `--paced-shape N` (default 60 when 60 is among the shapes) runs that shape's sessions once more,
 paced at `--paced-fraction` of the sustained rate just measured, and reports the lag p95 at that
 rate (target, issue 16: < 5 s).
