@@ -108,7 +108,7 @@ class Migration(migrations.Migration):
         migrations.RemoveField(model_name="subjectindex", name="hash"),
         migrations.AddIndex(
             model_name="subjectindex",
-            index=django.contrib.postgres.indexes.GinIndex(fields=["hashes"],
+            index=django.contrib.postgres.indexes.GinIndex(fields=["hashes"], fastupdate=False,
                                                            name="subjectindex_hashes"),
         ),
         migrations.AddConstraint(
