@@ -192,9 +192,12 @@ class PlaceholderDelta(models.Model):
     top of Trajectory.sanitizer_state (capture/placeholders.py). Deleted with its trajectory
     (erasure deletes them with SQL before the trajectory rows)."""
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    # No index of their own: (trajectory, seq)'s unique index serves every lookup and the
+    # cascade from the trajectory; a tenant is deleted (rarely) through its trajectories.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+",
+                               db_index=False)
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
-                                   related_name="placeholder_deltas")
+                                   related_name="placeholder_deltas", db_index=False)
     seq = models.PositiveIntegerField()
     state = models.JSONField()
     created_at = models.DateTimeField(auto_now_add=True)

@@ -70,10 +70,11 @@ class Migration(migrations.Migration):
                 ("state", models.JSONField()),
                 ("created_at", models.DateTimeField(auto_now_add=True)),
                 ("tenant", models.ForeignKey(on_delete=django.db.models.deletion.CASCADE,
-                                             related_name="+", to="governance.tenant")),
+                                             related_name="+", to="governance.tenant",
+                                             db_index=False)),
                 ("trajectory", models.ForeignKey(on_delete=django.db.models.deletion.CASCADE,
                                                  related_name="placeholder_deltas",
-                                                 to="governance.trajectory")),
+                                                 to="governance.trajectory", db_index=False)),
             ],
             options={
                 "constraints": [models.UniqueConstraint(fields=("trajectory", "seq"),
