@@ -36,7 +36,7 @@ class Analysis:
 
 
 def _nlp_engine(nlp):
-    from presidio_analyzer.nlp_engine import NlpArtifacts, SpacyNlpEngine
+    from presidio_analyzer.nlp_engine import SpacyNlpEngine
 
     from governance.sanitizer.core import spacy_model_path
 
@@ -45,14 +45,62 @@ def _nlp_engine(nlp):
             self.nlp = {"en": nlp}
 
         def _doc_to_nlp_artifact(self, doc, language):
-            return NlpArtifacts(entities=[], tokens=doc,
-                                tokens_indices=[t.idx for t in doc],
-                                lemmas=[t.lower_ for t in doc], nlp_engine=self,
-                                language=language, scores=[])
+            return _artifacts_class()(doc, self, language)
 
     engine = StewardNlpEngine(models=[{"lang_code": "en", "model_name": str(spacy_model_path())}])
     engine.load()
     return engine
+
+
+_ARTIFACTS: type | None = None
+
+
+def _artifacts_class() -> type:
+    """Presidio's NlpArtifacts with the lemmas, token offsets and keywords computed on first
+    use: only the context enhancer reads them (for a result of a recognizer with context
+    words), while building them (keywords: a stop-word lookup per token) for every string cost
+    more than the recognizers that run on most strings. Same values as NlpArtifacts computes.
+    For a string that skips NER (`doc` None) even the tokenizer-only doc is made on first use:
+    only the enhancer reads it then (the NER adapters check `has_ner` first)."""
+    global _ARTIFACTS
+    if _ARTIFACTS is None:
+        from functools import cached_property
+
+        from presidio_analyzer.nlp_engine import NlpArtifacts
+
+        class LazyNlpArtifacts(NlpArtifacts):
+            def __init__(self, doc, nlp_engine, language: str, text: str | None = None,
+                         tokenizer=None) -> None:  # no super(): lazy
+                self.entities = []
+                if doc is not None:
+                    self.tokens = doc
+                # (a tokenizer-only doc has no entity annotation at all)
+                self.has_ner = doc is not None and bool(doc.has_annotation("ENT_IOB"))
+                self._text = text
+                self._tokenizer = tokenizer
+                self.nlp_engine = nlp_engine
+                self.scores = []
+                self._language = language
+
+            @cached_property
+            def tokens(self):
+                # A string that skips NER: tokenized only if something reads its tokens.
+                return self._tokenizer(self._text)
+
+            @cached_property
+            def tokens_indices(self) -> list[int]:
+                return [t.idx for t in self.tokens]
+
+            @cached_property
+            def lemmas(self) -> list[str]:
+                return [t.lower_ for t in self.tokens]
+
+            @cached_property
+            def keywords(self) -> list[str]:
+                return NlpArtifacts.set_keywords(self.nlp_engine, self.lemmas, self._language)
+
+        _ARTIFACTS = LazyNlpArtifacts
+    return _ARTIFACTS
 
 
 class _Adapter:
@@ -108,6 +156,9 @@ def _prefilter(recognizer) -> None:
 
 def _has_ner(artifacts) -> bool:
     # A tokenizer-only doc (strings that skip NER) has no entity annotation at all.
+    has_ner = getattr(artifacts, "has_ner", None)
+    if has_ner is not None:
+        return has_ner
     return bool(artifacts.tokens.has_annotation("ENT_IOB"))
 
 
@@ -145,6 +196,63 @@ class StewardAnalyzer:
                                               needs_ner=True, pass_artifacts=True))
         self.analyzer = AnalyzerEngine(registry=registry, nlp_engine=self.nlp_engine,
                                        supported_languages=["en"])
+        self._prepare_analyze()
+
+    def _prepare_analyze(self) -> None:
+        """What `AnalyzerEngine.analyze` recomputes for every string but that is fixed once
+        the registry is built: the recognizers, the supported entities, and which recognizers
+        take part in context enhancement (see `_presidio_analyze`)."""
+        from presidio_analyzer import EntityRecognizer
+
+        engine = self.analyzer
+        self._recognizers = engine.registry.get_recognizers(language="en", all_fields=True)
+        self._entities = engine.get_supported_entities(language="en")
+        base = EntityRecognizer.enhance_using_context
+        # A recognizer of its own context enhancement could change results of any string.
+        self._always_enhance = any(type(r).enhance_using_context is not base
+                                   for r in self._recognizers)
+        # The enhancer changes only results of recognizers with context words.
+        self._context_ids = frozenset(r.id for r in self._recognizers if r.context)
+        self._add_ids = engine._AnalyzerEngine__add_recognizer_id_if_not_exists
+        self._remove_low_scores = engine._AnalyzerEngine__remove_low_scores
+
+    def _presidio_analyze(self, text: str, artifacts) -> list:
+        """`AnalyzerEngine.analyze(text, "en", nlp_artifacts=artifacts)`, the same results in
+        the same order, without its per-string overheads: the recognizer list and entities
+        are computed once (`_prepare_analyze`), and context enhancement — a deep copy of every
+        result and a pass per recognizer — runs only over the results of recognizers with
+        context words (the others it leaves as they are; each recognizer's results are
+        already contiguous, in registry order, so its regrouping changes nothing), unless a
+        recognizer enhances on its own. The decision
+        process is not stripped: Steward reads no explanation."""
+        from presidio_analyzer import EntityRecognizer, RecognizerResult
+
+        key = RecognizerResult.RECOGNIZER_IDENTIFIER_KEY
+        results: list = []
+        for recognizer in self._recognizers:
+            if not recognizer.is_loaded:
+                recognizer.load()
+                recognizer.is_loaded = True
+            current = recognizer.analyze(text=text, entities=self._entities,
+                                         nlp_artifacts=artifacts)
+            if current:
+                self._add_ids(current, recognizer)
+                results.extend(current)
+        if results and self._always_enhance:
+            results = self.analyzer._enhance_using_context(text, results, artifacts,
+                                                           self._recognizers, None)
+        elif results:
+            # The enhancer treats each result alone, and leaves those of recognizers without
+            # context words as they are: only the others go through it, in place.
+            ctx = [r for r in results if r.recognition_metadata[key] in self._context_ids]
+            if ctx:
+                enhanced = iter(self.analyzer.context_aware_enhancer.enhance_using_context(
+                    text=text, raw_results=ctx, nlp_artifacts=artifacts,
+                    recognizers=self._recognizers, context=None))
+                results = [next(enhanced) if r.recognition_metadata[key] in self._context_ids
+                           else r for r in results]
+        results = self._remove_low_scores(results, None, self._recognizers)
+        return EntityRecognizer.remove_duplicates(results)
 
     def analyze_batch(self, texts: Sequence[str], with_ner: Sequence[bool],
                       organizations: bool = False) -> list[Analysis]:
@@ -156,12 +264,17 @@ class StewardAnalyzer:
         tokenizer = self.nlp.tokenizer
         for i, w in enumerate(with_ner):
             if not w:
-                out[i] = self._analyze(texts[i], tokenizer(texts[i]), organizations)
+                out[i] = self._analyze(texts[i], None, organizations, tokenizer)
         return out  # type: ignore[return-value]
 
-    def _analyze(self, text: str, doc, organizations: bool) -> Analysis:
-        artifacts = self.nlp_engine._doc_to_nlp_artifact(doc, "en")
-        results = self.analyzer.analyze(text=text, language="en", nlp_artifacts=artifacts)
+    def _analyze(self, text: str, doc, organizations: bool, tokenizer=None) -> Analysis:
+        """`doc`: the string's NER doc, or None for a string that skips NER (a
+        tokenizer-only doc, made by `tokenizer` only if something reads it)."""
+        if doc is None:
+            artifacts = _artifacts_class()(None, self.nlp_engine, "en", text, tokenizer)
+        else:
+            artifacts = self.nlp_engine._doc_to_nlp_artifact(doc, "en")
+        results = self._presidio_analyze(text, artifacts)
         spans = []
         for r in results:
             if r.entity_type == "ORGANIZATION" and not organizations:
@@ -175,5 +288,6 @@ class StewardAnalyzer:
                 continue
             spans.append(R.Span(r.entity_type, r.start, r.end, r.score,
                                 meta.get("recognizer_name", "presidio")))
-        ents = [(e.label_, e.start_char, e.end_char) for e in doc.ents]
+        # (a tokenizer-only doc has no entities)
+        ents = [(e.label_, e.start_char, e.end_char) for e in doc.ents] if doc is not None else []
         return Analysis(spans, ents)
