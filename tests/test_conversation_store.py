@@ -310,18 +310,24 @@ def test_migration_round_trip_on_steps_built_the_old_way(tenant, agent, transact
     call_command("migrate", "governance", verbosity=0)
 
 
-def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, agent, tmp_path):
-    from governance.capture.rawstore import DELTA_CHAIN_MAX, decode_body, open_raw
-    from governance.models import Interaction
-
+def _long_session(tenant, agent, calls: int) -> tuple[str, list[dict]]:
+    """A trajectory id and the spool records of `calls` calls resending a growing history."""
     traj = str(uuid.uuid4())
     t0 = timezone.now().timestamp() - 100
     history = [SYSTEM]
     records = []
-    for i in range(40):
+    for i in range(calls):
         history = history + [_user(f"Question {i}: " + "lorem ipsum " * 40),
                              _assistant(f"Answer {i}")]
         records.append(_call(tenant, agent, traj, history, t0 + i))
+    return traj, records
+
+
+def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, agent, tmp_path):
+    from governance.capture.rawstore import DELTA_CHAIN_MAX, decode_body, open_raw
+    from governance.models import Interaction
+
+    traj, records = _long_session(tenant, agent, 40)
     ship_and_build(tmp_path / "a", records[:25])
     ship_and_build(tmp_path / "b", records[25:])
     sent = {r["flow_id"]: decode_body(r["request_body"]) for r in records}
@@ -347,3 +353,29 @@ def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, a
     with tenant_context(tenant):
         for row in left:
             assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
+
+
+def test_a_batch_reads_the_delta_bases_of_its_calls_a_chain_level_at_a_time(
+        tenant, agent, tmp_path, django_assert_max_num_queries, django_assert_num_queries):
+    """The step builder reads the bases of a batch's deltas beforehand (rawstore.delta_bases:
+    one query per level of the chains, not one per base), and open_raw then needs none."""
+    from governance.capture.rawstore import DELTA_CHAIN_MAX, decode_body, delta_bases, open_raw
+    from governance.models import Interaction
+
+    traj, records = _long_session(tenant, agent, 14)
+    ship_and_build(tmp_path / "a", records)
+    sent = {r["flow_id"]: decode_body(r["request_body"]) for r in records}
+    rows = list(Interaction.objects.filter(trajectory_id=traj).select_related("data_key")
+                .order_by("started_at"))
+    batch = rows[-2:]
+    assert all(r.raw_base_flow for r in batch)
+    with tenant_context(tenant):
+        with django_assert_max_num_queries(DELTA_CHAIN_MAX):
+            bases = delta_bases(batch)
+        # The chain down to the whole copy; not the batch's own calls.
+        assert rows[-3].flow_id in bases and rows[0].flow_id in bases
+        assert not {r.flow_id for r in batch} & set(bases)
+        bodies: dict[str, bytes] = {}
+        with django_assert_num_queries(0):
+            opened = [open_raw(row, bodies, bases) for row in batch]
+    assert [decode_body(o["request_body"]) for o in opened] == [sent[r.flow_id] for r in batch]

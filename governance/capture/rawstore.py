@@ -265,12 +265,32 @@ def open_dead_letter(dead_letter: Any) -> dict[str, Any]:
                                     dead_letter_aad(dead_letter.tenant_id, dead_letter.flow_id)))
 
 
-def open_raw(interaction: Interaction, bodies: dict[str, bytes] | None = None
-             ) -> dict[str, Any]:
+def delta_bases(interactions: list[Interaction]) -> dict[str, Interaction]:
+    """The interactions the request deltas among `interactions` are rebuilt from — their
+    bases, the bases' bases, up to the whole copies — by flow id, with their data keys: one
+    query per level of the chains (at most DELTA_CHAIN_MAX), not one per base. For `open_raw`
+    (`bases`): a batch of a long session's calls used to look each link of a chain up alone.
+    Run in the interactions' tenant scope (as open_raw looks bases up); for each flow id the
+    row open_raw's own lookup would take (the first by primary key)."""
+    have = {ia.flow_id for ia in interactions}
+    found: dict[str, Interaction] = {}
+    wanted = {ia.raw_base_flow for ia in interactions if ia.raw_base_flow} - have
+    while wanted:
+        for row in (Interaction.objects.filter(flow_id__in=wanted).select_related("data_key")
+                    .order_by("pk")):
+            found.setdefault(row.flow_id, row)
+        wanted = ({row.raw_base_flow for row in found.values() if row.raw_base_flow}
+                  - have - set(found))
+    return found
+
+
+def open_raw(interaction: Interaction, bodies: dict[str, bytes] | None = None,
+             bases: dict[str, Interaction] | None = None) -> dict[str, Any]:
     """Decrypt an interaction's raw payload, its request body rebuilt when it is stored as a
     delta (format 2, always returned as format 1: `request_body` base64). `bodies`: request
     bodies already rebuilt, by flow id (a batch opening a session's calls passes one dict, so
-    each base is decrypted once). Callers that show it to a person must audit the read
+    each base is decrypted once). `bases`: base interactions read beforehand (`delta_bases`);
+    a base not in it is looked up. Callers that show it to a person must audit the read
     (governance.audit.record_event "raw.read"); the step builder reads it as the system."""
     if interaction.raw_ciphertext is None:
         raise RawPayloadUnavailable("no raw payload stored (expired or purged)")
@@ -291,13 +311,15 @@ def open_raw(interaction: Interaction, bodies: dict[str, bytes] | None = None
     if base_body is None:
         from governance.tenancy import tenant_context
 
-        # The base is the interaction's own tenant's (its trajectory's previous call).
-        with tenant_context(interaction.tenant_id):
-            base = (Interaction.objects.filter(flow_id=base_flow).select_related("data_key")
-                    .first())
+        base = (bases or {}).get(base_flow)
+        if base is None or base.tenant_id != interaction.tenant_id:
+            # The base is the interaction's own tenant's (its trajectory's previous call).
+            with tenant_context(interaction.tenant_id):
+                base = (Interaction.objects.filter(flow_id=base_flow)
+                        .select_related("data_key").first())
         if base is None:
             raise RawPayloadUnavailable(f"the base payload of this delta ({base_flow}) is gone")
-        open_raw(base, bodies)
+        open_raw(base, bodies, bases)
         base_body = bodies[base_flow]
     body = apply_delta(base_body, delta)
     bodies[interaction.flow_id] = body

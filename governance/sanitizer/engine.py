@@ -36,7 +36,7 @@ class Analysis:
 
 
 def _nlp_engine(nlp):
-    from presidio_analyzer.nlp_engine import NlpArtifacts, SpacyNlpEngine
+    from presidio_analyzer.nlp_engine import SpacyNlpEngine
 
     from governance.sanitizer.core import spacy_model_path
 
@@ -45,14 +45,62 @@ def _nlp_engine(nlp):
             self.nlp = {"en": nlp}
 
         def _doc_to_nlp_artifact(self, doc, language):
-            return NlpArtifacts(entities=[], tokens=doc,
-                                tokens_indices=[t.idx for t in doc],
-                                lemmas=[t.lower_ for t in doc], nlp_engine=self,
-                                language=language, scores=[])
+            return _artifacts_class()(doc, self, language)
 
     engine = StewardNlpEngine(models=[{"lang_code": "en", "model_name": str(spacy_model_path())}])
     engine.load()
     return engine
+
+
+_ARTIFACTS: type | None = None
+
+
+def _artifacts_class() -> type:
+    """Presidio's NlpArtifacts with the lemmas, token offsets and keywords computed on first
+    use: only the context enhancer reads them (for a result of a recognizer with context
+    words), while building them (keywords: a stop-word lookup per token) for every string cost
+    more than the recognizers that run on most strings. Same values as NlpArtifacts computes.
+    For a string that skips NER (`doc` None) even the tokenizer-only doc is made on first use:
+    only the enhancer reads it then (the NER adapters check `has_ner` first)."""
+    global _ARTIFACTS
+    if _ARTIFACTS is None:
+        from functools import cached_property
+
+        from presidio_analyzer.nlp_engine import NlpArtifacts
+
+        class LazyNlpArtifacts(NlpArtifacts):
+            def __init__(self, doc, nlp_engine, language: str, text: str | None = None,
+                         tokenizer=None) -> None:  # no super(): lazy
+                self.entities = []
+                if doc is not None:
+                    self.tokens = doc
+                # (a tokenizer-only doc has no entity annotation at all)
+                self.has_ner = doc is not None and bool(doc.has_annotation("ENT_IOB"))
+                self._text = text
+                self._tokenizer = tokenizer
+                self.nlp_engine = nlp_engine
+                self.scores = []
+                self._language = language
+
+            @cached_property
+            def tokens(self):
+                # A string that skips NER: tokenized only if something reads its tokens.
+                return self._tokenizer(self._text)
+
+            @cached_property
+            def tokens_indices(self) -> list[int]:
+                return [t.idx for t in self.tokens]
+
+            @cached_property
+            def lemmas(self) -> list[str]:
+                return [t.lower_ for t in self.tokens]
+
+            @cached_property
+            def keywords(self) -> list[str]:
+                return NlpArtifacts.set_keywords(self.nlp_engine, self.lemmas, self._language)
+
+        _ARTIFACTS = LazyNlpArtifacts
+    return _ARTIFACTS
 
 
 class _Adapter:
@@ -108,6 +156,9 @@ def _prefilter(recognizer) -> None:
 
 def _has_ner(artifacts) -> bool:
     # A tokenizer-only doc (strings that skip NER) has no entity annotation at all.
+    has_ner = getattr(artifacts, "has_ner", None)
+    if has_ner is not None:
+        return has_ner
     return bool(artifacts.tokens.has_annotation("ENT_IOB"))
 
 
@@ -156,11 +207,16 @@ class StewardAnalyzer:
         tokenizer = self.nlp.tokenizer
         for i, w in enumerate(with_ner):
             if not w:
-                out[i] = self._analyze(texts[i], tokenizer(texts[i]), organizations)
+                out[i] = self._analyze(texts[i], None, organizations, tokenizer)
         return out  # type: ignore[return-value]
 
-    def _analyze(self, text: str, doc, organizations: bool) -> Analysis:
-        artifacts = self.nlp_engine._doc_to_nlp_artifact(doc, "en")
+    def _analyze(self, text: str, doc, organizations: bool, tokenizer=None) -> Analysis:
+        """`doc`: the string's NER doc, or None for a string that skips NER (a
+        tokenizer-only doc, made by `tokenizer` only if something reads it)."""
+        if doc is None:
+            artifacts = _artifacts_class()(None, self.nlp_engine, "en", text, tokenizer)
+        else:
+            artifacts = self.nlp_engine._doc_to_nlp_artifact(doc, "en")
         results = self.analyzer.analyze(text=text, language="en", nlp_artifacts=artifacts)
         spans = []
         for r in results:
@@ -175,5 +231,6 @@ class StewardAnalyzer:
                 continue
             spans.append(R.Span(r.entity_type, r.start, r.end, r.score,
                                 meta.get("recognizer_name", "presidio")))
-        ents = [(e.label_, e.start_char, e.end_char) for e in doc.ents]
+        # (a tokenizer-only doc has no entities)
+        ents = [(e.label_, e.start_char, e.end_char) for e in doc.ents] if doc is not None else []
         return Analysis(spans, ents)

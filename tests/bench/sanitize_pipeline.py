@@ -335,6 +335,18 @@ def scenario(args: argparse.Namespace) -> dict:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def alternating(repo: Path, baseline: str | None, rounds: int) -> list[tuple[str, Path]]:
+    """The runs of a comparison: ("this", repo) — and ("baseline", baseline) before it —
+    `rounds` times, the order swapped every round."""
+    checkouts = [("this", repo)]
+    if baseline:
+        checkouts = [("baseline", Path(baseline).resolve()), ("this", repo)]
+    order: list[tuple[str, Path]] = []
+    for r in range(rounds):
+        order += checkouts if r % 2 == 0 else checkouts[::-1]
+    return order
+
+
 def met(result: dict) -> bool:
     return (result["steps"] + result["quarantined"] >= result["calls"]
             and (result["lag_p95_s"] or 1e9) < TARGET_P95_S)
@@ -365,12 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="steward-bench-bodies-"))
     body_file = tmp / "bodies.json"
     body_file.write_text(json.dumps(bodies(total + 1)))
-    checkouts = [("this", REPO)]
-    if args.baseline:
-        checkouts = [("baseline", Path(args.baseline).resolve()), ("this", REPO)]
-    order: list[tuple[str, Path]] = []
-    for r in range(args.rounds):
-        order += checkouts if r % 2 == 0 else checkouts[::-1]
+    order = alternating(REPO, args.baseline, args.rounds)
     passthrough = ["--rate", str(args.rate), "--seconds", str(args.seconds),
                    "--concurrency", str(args.concurrency),
                    "--session-steps", str(args.session_steps),
