@@ -412,11 +412,15 @@ def ensure_app_role(cursor: Any, role: str, login: bool = True) -> None:
                    .format(ident))
 
 
+# The tenant policy's expression: rows of the transaction's tenant, or any in the system scope.
+TENANT_RLS_EXPR = (f"tenant_id = nullif(current_setting('{TENANT_SETTING}', true), '')::bigint "
+                   f"OR current_setting('{SYSTEM_SETTING}', true) = 'on'")
+
+
 def tenant_rls_sql(table: str) -> tuple[str, str]:
     """(forward, reverse) SQL putting one table behind the tenant policy — for the migration of
     any new table with a tenant foreign key (tests/test_rls.py fails for a table without)."""
-    expr = (f"tenant_id = nullif(current_setting('{TENANT_SETTING}', true), '')::bigint "
-            f"OR current_setting('{SYSTEM_SETTING}', true) = 'on'")
+    expr = TENANT_RLS_EXPR
     forward = (f'ALTER TABLE "{table}" ENABLE ROW LEVEL SECURITY;\n'
                f'ALTER TABLE "{table}" FORCE ROW LEVEL SECURITY;\n'
                f'DROP POLICY IF EXISTS {POLICY_NAME} ON "{table}";\n'

@@ -85,6 +85,11 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
     assert SubjectIndex.keys(["zz", "", customer_row.hex_hashes()[0]]) == [
         bytes(customer_row.hashes[0])]
 
+    # The GIN index writes straight into its tree (no uncompressed pending list, decision 34).
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT reloptions FROM pg_class WHERE relname = 'subjectindex_hashes'")
+        assert "fastupdate=off" in (cursor.fetchone()[0] or [])
+
     # Building the same interactions again adds no row twice.
     from governance.tasks import build_steps
 

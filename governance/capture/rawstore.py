@@ -70,14 +70,12 @@ BODY_FIELDS = ("request_body", "response_body")
 def _blob(value: Any) -> bytes | None:
     """A body as bytes: bytes as they are, base64 text (format-1 spool lines, `json_form`)
     decoded; None for anything else (kept in the header as it came)."""
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    if isinstance(value, str):
-        try:
-            return base64.b64decode(value, validate=True)
-        except ValueError:
-            return None
-    return None
+    if not isinstance(value, str | bytes | bytearray | memoryview):
+        return None
+    try:
+        return decode_body(value)
+    except ValueError:
+        return None
 
 
 def pack_raw(doc: dict[str, Any]) -> bytes:

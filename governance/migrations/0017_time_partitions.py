@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from django.db import migrations, models
 
-from governance.tenancy import tenant_rls_sql
+from governance.tenancy import TENANT_RLS_EXPR, tenant_rls_sql
 
 # table -> partition key column
 TABLES = {
@@ -59,8 +59,6 @@ FINDING_ITEM_INDEX = "finding_item"
 MONTHS_BACK_MAX = 24
 MONTHS_AHEAD = 3  # the current month and the next two
 
-RLS_EXPR = ("tenant_id = nullif(current_setting('steward.tenant_id', true), '')::bigint "
-            "OR current_setting('steward.system', true) = 'on'")
 
 FUNCTIONS = r"""
 -- Monthly partitions of the three time-partitioned tables for `p_months` months from the
@@ -177,7 +175,7 @@ BEGIN
     END IF;
     RETURN NEW;
 END $$;
-""".replace("%(rls)L", "'" + RLS_EXPR.replace("'", "''") + "'")
+""".replace("%(rls)L", "'" + TENANT_RLS_EXPR.replace("'", "''") + "'")
 
 REVERSE_FUNCTIONS = r"""
 DROP FUNCTION IF EXISTS steward_ensure_partitions(date, integer);
@@ -314,10 +312,8 @@ def forward(apps, schema_editor) -> None:
             run(sql)
         for grantee, privilege in grants[table]:
             run(f"GRANT {privilege} ON {table} TO {grantee}")
-        run(f"ALTER TABLE {table}_default ENABLE ROW LEVEL SECURITY")
-        run(f"ALTER TABLE {table}_default FORCE ROW LEVEL SECURITY")
-        run(f"CREATE POLICY tenant_isolation ON {table}_default USING ({RLS_EXPR}) "
-            f"WITH CHECK ({RLS_EXPR})")
+        for sql in tenant_rls_sql(f"{table}_default")[0].split(";\n"):
+            run(sql)
     run(f"CREATE INDEX {FINDING_ITEM_INDEX} ON governance_finding (item_id) "
         "WHERE item_id IS NOT NULL")
     run(TRIGGER)
