@@ -52,9 +52,10 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
     cursor.execute(
         "INSERT INTO governance_trajectory (id, tenant_id, agent_id, session_id, source, "
         "subject_hash, consent, started_at, last_step_at, step_count, sanitizer_state, "
-        f"route_arm, created_at) SELECT md5('t' || g)::uuid, %s, %s, '', 'new', '', 'train', "
-        f"now() - interval '2 days', now() - interval '1 day', {STEPS_PER_TRAJECTORY}, "
-        "'{}'::jsonb, '', now() FROM generate_series(0, %s) g", [tenant_id, agent_id, nt - 1])
+        "sanitizer_state_seq, route_arm, created_at) SELECT md5('t' || g)::uuid, %s, %s, '', "
+        f"'new', '', 'train', now() - interval '2 days', now() - interval '1 day', "
+        f"{STEPS_PER_TRAJECTORY}, '{{}}'::jsonb, 0, '', now() FROM generate_series(0, %s) g",
+        [tenant_id, agent_id, nt - 1])
     cursor.execute(
         "INSERT INTO governance_interaction (flow_id, tenant_id, agent_id, trajectory_id, "
         "step_id, endpoint, method, path, status_code, is_stream, request_is_json, error_kind, "
