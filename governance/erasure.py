@@ -509,7 +509,16 @@ def _scan(req: ErasureRequest) -> int:
     hasher = subject_hasher(tenant_id)
     with tenant_context(tenant_id):
         tenant = Tenant.objects.get(pk=tenant_id)
-    sanitizer = sanitizer_for_tenant(tenant)  # may load spaCy: outside the transaction
+    # The sanitizer (spaCy and the model: seconds in a process that has not loaded them) is
+    # built on the first payload that needs it, outside any transaction; most erasures find
+    # nothing never-indexed and never need it.
+    sanitizers: list[Any] = []
+
+    def sanitizer() -> Any:
+        if not sanitizers:
+            sanitizers.append(sanitizer_for_tenant(tenant))
+        return sanitizers[0]
+
     scan = req.progress.setdefault("scan", {
         "after_interaction": 0, "after_dead_letter": 0, "scanned": 0, "matched": 0,
         "unreadable": 0, "word_scan_only": 0})
@@ -538,7 +547,7 @@ def _scan(req: ErasureRequest) -> int:
                               row.pk)
                     continue
                 scan["scanned"] += 1
-                found, sanitized = find_subject(raw_texts(raw), wanted, hasher, sanitizer)
+                found, sanitized = find_subject(raw_texts(raw), wanted, hasher, sanitizer())
                 if found is None and not sanitized:
                     scan["word_scan_only"] += 1
                 if found is not None:
