@@ -686,9 +686,13 @@ def _delete_batch(req: ErasureRequest) -> bool:
                 "trajectory_id = ANY(%s::uuid[]) OR response_id = ANY(%s::text[]))",
                 [tenant_id, ids, response_ids])
             counts["rewards"] = cursor.rowcount
+        # Findings are packed per place (decision 37): the count is of findings, not rows.
+        cursor.execute(
+            f"WITH gone AS (DELETE FROM {_table('Finding')} f USING {_table('Step')} s "  # noqa: S608
+            "WHERE f.step_id = s.id AND s.trajectory_id = ANY(%s::uuid[]) RETURNING f.total) "
+            "SELECT coalesce(sum(total), 0) FROM gone", p)
+        counts["findings"] = int(cursor.fetchone()[0])
         statements = [
-            ("findings", f"DELETE FROM {_table('Finding')} f USING {_table('Step')} s "
-                         "WHERE f.step_id = s.id AND s.trajectory_id = ANY(%s::uuid[])"),
             ("subject_index", f"DELETE FROM {_table('SubjectIndex')} "
                               "WHERE trajectory_id = ANY(%s::uuid[])"),
             ("steps", f"DELETE FROM {_table('Step')} WHERE trajectory_id = ANY(%s::uuid[])"),

@@ -399,38 +399,35 @@ class ConversationItem(models.Model):
 
 
 class Finding(models.Model):
-    """One thing the sanitizer found in a step's request or response: what (entity type,
-    recognizer, score), where (JSON path of the string, `value_path` inside an embedded JSON
-    document such as tool arguments, character offsets in the original string) and what was
-    done (operator). Never the value itself."""
+    """What the sanitizer found in one place, packed as one row (decision 37,
+    governance/capture/findings.py): a conversation item (`item`, its findings found once,
+    when the first step carrying it was built: `step`), or a step's request or response
+    outside its history (`side`). `counts` ({entity type: n}) and `total` are what the console
+    and ATDP show; `spans` holds each finding's detail — what (entity type, recognizer,
+    score), where (JSON path of the string, `value_path` inside an embedded JSON document such
+    as tool arguments, character offsets in the original string) and what was done
+    (operator) — read with `details()`. Never a value itself."""
 
     class Side(models.TextChoices):
         REQUEST = "request", "Request"
         RESPONSE = "response", "Response"
 
-    # Partitioned by `created_at` (migration 0017, decision 33). Lean on purpose, a step has
-    # several: findings are only ever read through their step (step_id's index), so no index
-    # on tenant, on (tenant, entity_type) or (tenant, created_at); no interaction (always the
-    # step's); the item index only over findings that have an item.
+    # Partitioned by `created_at` (migration 0017, decision 33). Lean on purpose: findings are
+    # only ever read through their step (step_id's index) or deleted with their item, so no
+    # index on tenant; no interaction (always the step's); the item index only over rows that
+    # have an item.
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="findings",
                                db_index=False)
     # No database constraint into the partitioned steps table: Django's collector deletes a
     # step's findings with it, erasure and retention's partition drop delete them explicitly.
     step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="findings",
                              db_constraint=False)
-    # A finding in a history message belongs to that message (found once, when the first step
-    # carrying it was built: `step`); its `path` is the message's path in that step's request.
     item = models.ForeignKey(ConversationItem, null=True, blank=True, db_index=False,
                              on_delete=models.CASCADE, related_name="findings")
     side = models.CharField(max_length=8, choices=Side.choices)
-    entity_type = models.CharField(max_length=32)
-    path = models.CharField(max_length=512)
-    value_path = models.CharField(max_length=512, blank=True, default="")
-    start = models.PositiveIntegerField()
-    end = models.PositiveIntegerField()
-    score = models.FloatField()
-    recognizer = models.CharField(max_length=64)
-    operator = models.CharField(max_length=16)
+    counts = models.JSONField(default=dict)
+    total = models.PositiveIntegerField(default=0)
+    spans = models.BinaryField(default=b"")
     sanitizer_version = models.CharField(max_length=64)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -442,6 +439,13 @@ class Finding(models.Model):
             models.Index(fields=["item"], condition=models.Q(item__isnull=False),
                          name="finding_item"),
         ]
+
+    def details(self) -> list[dict]:
+        """Each finding: entity_type, path, value_path, start, end, score, recognizer,
+        operator (plus `side`)."""
+        from governance.capture.findings import unpack
+
+        return [{**f, "side": self.side} for f in unpack(self.spans)]
 
 
 class SubjectIndex(models.Model):

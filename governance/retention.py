@@ -41,7 +41,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
-from django.db.models import Count, Exists, Max, OuterRef, Q, Subquery
+from django.db.models import Count, Exists, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -351,7 +351,8 @@ def _release_month(tenant_id: int, month: Month) -> tuple[dict[str, int], set]:
         "steps": steps.count(), "interactions": interactions.count(),
         "raw_payloads": interactions.filter(raw_ciphertext__isnull=False).count(),
         "findings": Finding.objects.filter(_in(month, "created_at"),
-                                           step_id__in=steps.values("pk")).count(),
+                                           step_id__in=steps.values("pk"))
+        .aggregate(n=Coalesce(Sum("total"), 0))["n"],
         "invalidated_versions": len(invalidate_versions_containing(
             ACTOR, tenant_id, traj_ids, "retention: member steps expired")),
     }
@@ -365,8 +366,9 @@ def _release_month(tenant_id: int, month: Month) -> tuple[dict[str, int], set]:
                  .exclude(_in(month)).values_list("raw_base_flow", flat=True).distinct())
     rebase_dependents(bases)
     # Findings of these steps built after the month ended live in a later partition.
-    counts["findings"] += Finding.objects.filter(
-        created_at__gte=month.end, step_id__in=steps.values("pk")).delete()[0]
+    later = Finding.objects.filter(created_at__gte=month.end, step_id__in=steps.values("pk"))
+    counts["findings"] += later.aggregate(n=Coalesce(Sum("total"), 0))["n"]
+    later.delete()
     # Not partitioned: the subject index rows of these steps and interactions.
     counts["subject_index"] = SubjectIndex.objects.filter(
         Q(step_id__in=steps.values("pk")) | Q(interaction_id__in=interactions.values("pk"))

@@ -61,6 +61,7 @@ from governance.capture.conversation import (
     known_histories,
     known_items,
 )
+from governance.capture.findings import packed_rows
 from governance.capture.placeholders import read_states, write_deltas
 from governance.capture.rawstore import (
     RawPayloadUnavailable,
@@ -418,7 +419,7 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
             continue
         item_id = known[key[0]].ids[key[1]]
         ia = w.interaction
-        w.findings.extend(_finding(ia, f, version, item_id) for f in item.findings)
+        w.findings.extend(_findings(ia, item.findings, version, item_id))
         w.index_rows.extend(_index_rows(ia, item.identifiers, item_id))
     # A step holding an item the database refused (a value jsonb cannot store, e.g. \u0000)
     # is not stored either; a step extending one of those keeps its whole history itself.
@@ -474,15 +475,11 @@ def _insert_items(rows: dict[tuple[Any, str], ConversationItem]
     return inserted, refused
 
 
-def _finding(ia: Interaction, f: dict[str, Any], version: str,
-             item_id: int | None = None) -> Finding:
-    return Finding(
-        tenant_id=ia.tenant_id, step_id=ia.step_id, item_id=item_id,
-        side=f["side"], entity_type=f["entity_type"][:32],
-        path=str(f.get("path") or "$")[:512], value_path=str(f.get("value_path") or "")[:512],
-        start=int(f["start"]), end=int(f["end"]), score=float(f["score"]),
-        recognizer=str(f.get("recognizer") or "")[:64],
-        operator=str(f.get("operator") or "")[:16], sanitizer_version=version)
+def _findings(ia: Interaction, found: list[dict[str, Any]], version: str,
+              item_id: int | None = None) -> list[Finding]:
+    """The packed Finding rows of one place (an item, or the step's exchange outside its
+    history): one per side (capture/findings.py, decision 37)."""
+    return packed_rows(ia.tenant_id, ia.step_id, found, version, item_id)
 
 
 def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
@@ -608,7 +605,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 training_eligible=ia.consent == Consent.TRAIN and fields["error"] is None,
                 **fields, **columns,
             )
-            write.findings.extend(_finding(ia, f, version) for f in result.findings)
+            write.findings.extend(_findings(ia, result.findings, version))
             write.index_rows.extend(_index_rows(ia, result.identifiers))
             row = _header_row(ia, ia.step_id)
             if row is not None:
@@ -632,8 +629,9 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                          object_type="interaction", object_id=f"{min(ids)}-{max(ids)}",
                          payload={"built": done["built"], "quarantined": done["quarantined"],
                                   "sanitizer_version": version,
-                                  "findings": dict(sorted(Counter(
-                                      f.entity_type for f in findings).items()))})
+                                  "findings": dict(sorted(sum(
+                                      (Counter(f.counts) for f in findings),
+                                      Counter()).items()))})
     if done["coalesced"]:
         taken = set(done["coalesced"])
         done["built"] = [pk for pk in done["built"] if pk not in taken]

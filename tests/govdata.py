@@ -45,3 +45,18 @@ def make_trajectory(tenant, agent, *, steps: int = 2, sanitized: bool = True,
             classification=classification, consent=step_consent or consent,
             sanitizer_version="test-1" if sanitized else "", training_eligible=sanitized)
     return traj
+
+
+def add_findings(tenant, step, entity_types: list[str], *, side: str = "request",
+                 path: str = "$.messages[0].content", item=None, version: str = "test-1"):
+    """One packed Finding row (decision 37) holding a finding of each of `entity_types`, at
+    offsets 0, 1, 2, ... of `path` in the step's `side`."""
+    from governance.capture.findings import packed_rows
+
+    found = [{"side": side, "entity_type": etype, "path": path, "start": i, "end": i + 1,
+              "score": 0.9, "recognizer": "test", "operator": "placeholder"}
+             for i, etype in enumerate(entity_types)]
+    (row,) = packed_rows(tenant.pk if hasattr(tenant, "pk") else tenant, step.pk, found,
+                         version, item.pk if item is not None else None)
+    row.save()
+    return row

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from governance import services
-from governance.models import Approval, AuditEvent, DatasetVersion, Finding, Step
+from governance.models import Approval, AuditEvent, DatasetVersion, Step
 from governance.views.approvals import pending_approvals_count
-from tests.govdata import make_trajectory
+from tests.govdata import add_findings, make_trajectory
 
 ROLES = ["admin", "steward", "compliance", "auditor"]
 FOUR_EYES = ("You requested this version; a different compliance officer must approve it "
@@ -31,12 +31,7 @@ def world(people, tenant, other_tenant):
     for traj, types in ((t1, ["EMAIL_ADDRESS", "EMAIL_ADDRESS", "PERSON"]),
                         (t2, ["PHONE_NUMBER"])):
         step = Step.objects.filter(trajectory=traj).order_by("started_at").first()
-        for i, entity in enumerate(types):
-            Finding.objects.create(tenant=tenant, step=step,
-                                   side="request", entity_type=entity,
-                                   path="$.messages[0].content", start=i, end=i + 1, score=0.9,
-                                   recognizer="test", operator="placeholder",
-                                   sanitizer_version="test-1")
+        add_findings(tenant, step, types)
     dataset = services.create_dataset(users["steward"], tenant, name="support-all")
     pending = services.freeze_dataset_version(users["steward"], dataset)
     services.request_approval(users["steward"], pending)

@@ -29,7 +29,7 @@ from governance.models import (
 )
 from governance.sanitizer import normalize_identifier
 from governance.tenancy import tenant_context
-from tests.govdata import make_trajectory
+from tests.govdata import add_findings, make_trajectory
 
 ROLES = ["admin", "steward", "compliance", "auditor"]
 EMAIL = "Maria.Garcia@Example.com"
@@ -571,7 +571,6 @@ def test_detail_shows_the_deadlines_that_apply_defaults_and_policy(
 def test_list_shows_status_findings_and_the_time_zone(client, make_member, tenant, agents):
     """Issue 13.8: a 502 capture, a quarantined call and one still processing do not look
     like successes; findings are counted; the times say their zone."""
-    from governance.models import Finding
 
     ok = make_trajectory(tenant, agents[0], steps=1)
     failed = make_trajectory(tenant, agents[0], steps=2)
@@ -579,12 +578,7 @@ def test_list_shows_status_findings_and_the_time_zone(client, make_member, tenan
     quarantined = make_trajectory(tenant, agents[0], steps=1, state="quarantined")
     processing = make_trajectory(tenant, agents[0], steps=1, state="captured")
     step = Step.objects.get(trajectory=ok)
-    for start in (0, 10):
-        Finding.objects.create(tenant=tenant, step=step,
-                               entity_type="EMAIL_ADDRESS", recognizer="test", score=1.0,
-                               side="request",
-                               operator="placeholder", sanitizer_version="test-1",
-                               path="$.messages[0].content", start=start, end=start + 5)
+    add_findings(tenant, step, ["EMAIL_ADDRESS", "EMAIL_ADDRESS"])
     client.force_login(make_member("auditor"))
     body = client.get("/trajectories/").content.decode()
 

@@ -29,6 +29,7 @@ from governance.models import (
 from governance.partitions import PARTITIONED, Month, ensure_partitions, monthly_partitions
 from governance.retention import drop_expired_partitions, purge_expired
 from governance.tenancy import tenant_context
+from tests.govdata import add_findings
 from tests.pipeline import chat_response, make_record, ship_and_build
 
 EMAIL = "maria.garcia@example.com"
@@ -320,10 +321,7 @@ def test_findings_of_an_older_kept_step_keep_their_month(tenant, other_tenant, a
     findings = {}
     for traj in (kept, gone):
         step = Step.objects.get(trajectory=traj)
-        f = Finding.objects.create(tenant=traj.tenant, step=step, side="request",
-                                   entity_type="PERSON", path="$.x", start=0, end=3,
-                                   score=0.9, recognizer="name", operator="placeholder",
-                                   sanitizer_version="test-1")
+        f = add_findings(traj.tenant, step, ["PERSON"], path="$.x")
         # Built after midnight on the 1st: in `month`'s findings partition for both.
         Finding.objects.filter(pk=f.pk).update(created_at=month.start + timedelta(days=3))
         findings[traj.pk] = f.pk

@@ -50,7 +50,6 @@ from governance.models import (
     DatasetVersion,
     DatasetVersionMember,
     ErasureRequest,
-    Finding,
     Interaction,
     PlaceholderDelta,
     ProxyKey,
@@ -67,7 +66,7 @@ from governance.tenancy import (
     system_context,
     tenant_context,
 )
-from tests.govdata import make_trajectory
+from tests.govdata import add_findings, make_trajectory
 from tests.live import database_url_from_django
 from trainer.models import Checkpoint, TrainingJob, TrainingMetric
 
@@ -201,10 +200,7 @@ def world(tenant, other_tenant, make_member):
                                         sanitizer_version="test-1", content={"role": "user"})
         PlaceholderDelta.objects.create(tenant=t, trajectory=traj, seq=1,
                                         state={"labels": {"k": "PERSON_1"}})
-        Finding.objects.create(tenant=t, step=step,
-                               side="request", entity_type="EMAIL_ADDRESS", path="$.x",
-                               start=0, end=5, score=0.9, recognizer="email",
-                               operator="placeholder", sanitizer_version="test-1")
+        add_findings(t, step, ["EMAIL_ADDRESS"], path="$.x")
         SubjectIndex.objects.create(tenant=t, trajectory=traj, step=step,
                                     interaction=step.interaction, source="step",
                                     entity_types=["EMAIL_ADDRESS"],

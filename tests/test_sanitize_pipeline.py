@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -190,16 +191,23 @@ def test_steps_are_built_from_sanitized_exchanges_only(tenant, agent, tmp_path):
     assert s2.metadata["steward.tokens.dropped"] == ["logprob_tokens", "token_ids"]
 
     # Findings: where and what, never the value.
-    findings = list(Finding.objects.filter(step__trajectory_id=traj))
-    kinds = {(f.side, f.entity_type) for f in findings}
+    rows = list(Finding.objects.filter(step__trajectory_id=traj))
+    findings = [{**f, "step_id": row.step_id, "sanitizer_version": row.sanitizer_version}
+                for row in rows for f in row.details()]
+    kinds = {(f["side"], f["entity_type"]) for f in findings}
     assert {("request", "EMAIL_ADDRESS"), ("request", "PHONE_NUMBER"), ("request", "PERSON"),
             ("request", "OPENAI_API_KEY"), ("response", "PERSON"),
             ("response", "PHONE_NUMBER"), ("response", "EMAIL_ADDRESS")} <= kinds
-    args_finding = next(f for f in findings if f.step_id == s1.id and f.side == "response"
-                        and f.entity_type == "EMAIL_ADDRESS")
-    assert args_finding.path == "$.choices[0].message.tool_calls[0].function.arguments"
-    assert args_finding.value_path == "$.email" and args_finding.operator == "placeholder"
-    assert all(f.sanitizer_version == SANITIZER_VERSION for f in findings)
+    args_finding = next(f for f in findings if f["step_id"] == s1.id
+                        and f["side"] == "response" and f["entity_type"] == "EMAIL_ADDRESS")
+    assert args_finding["path"] == "$.choices[0].message.tool_calls[0].function.arguments"
+    assert args_finding["value_path"] == "$.email" and args_finding["operator"] == "placeholder"
+    assert all(f["sanitizer_version"] == SANITIZER_VERSION for f in findings)
+    # Packed one row per place and side: counts and total agree with the detail.
+    for row in rows:
+        assert row.total == len(row.details()) > 0
+        assert row.counts == dict(sorted(Counter(f["entity_type"]
+                                                 for f in row.details()).items()))
 
     # The trajectory's placeholder state holds keyed hashes only.
     with tenant_context(tenant):

@@ -124,11 +124,11 @@ def step_governance(step: Step, findings: dict[str, int] | None = None) -> dict:
 
 
 # A step's findings by entity type, as one JSON object: annotated onto the steps query, so
-# the document still costs one query for its steps.
+# the document still costs one query for its steps. Its packed rows' counts, summed.
 FINDING_COUNTS_SQL = (
     "SELECT coalesce(jsonb_object_agg(x.entity_type, x.n), '{}'::jsonb) FROM ("
-    "SELECT f.entity_type, count(*) AS n FROM governance_finding f "
-    "WHERE f.step_id = governance_step.id GROUP BY f.entity_type) x")
+    "SELECT c.key AS entity_type, sum(c.value::int) AS n FROM governance_finding f, "
+    "jsonb_each_text(f.counts) c WHERE f.step_id = governance_step.id GROUP BY c.key) x")
 
 
 def with_finding_counts(steps: QuerySet) -> QuerySet:

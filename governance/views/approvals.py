@@ -13,7 +13,8 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.paginator import Paginator
-from django.db.models import Case, Count, F, IntegerField, Value, When
+from django.db import connection
+from django.db.models import Case, Count, F, IntegerField, Sum, Value, When
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
@@ -124,6 +125,26 @@ def step_excerpt(step: Step) -> dict[str, str]:
     return {"prompt": prompt, "reply": reply}
 
 
+def findings_by_type(tenant_id: int, version: DatasetVersion) -> list[dict[str, Any]]:
+    """[{entity_type, n, trajectories}] over the version's members' steps pinned by the
+    freeze, most found first: the packed rows' counts summed (capture/findings.py)."""
+    q = connection.ops.quote_name
+    finding, step = q(Finding._meta.db_table), q(Step._meta.db_table)
+    member = q(DatasetVersionMember._meta.db_table)
+    with tenant_context(tenant_id), connection.cursor() as cur:
+        cur.execute(
+            f"SELECT c.key, sum(c.value::int), count(DISTINCT s.trajectory_id) "  # noqa: S608
+            f"FROM {finding} f JOIN {step} s ON s.id = f.step_id "
+            "CROSS JOIN LATERAL jsonb_each_text(f.counts) c "
+            "WHERE f.tenant_id = %s AND s.tenant_id = %s AND s.created_at <= %s "
+            f"AND s.trajectory_id IN (SELECT trajectory_id FROM {member} "
+            "WHERE tenant_id = %s AND version_id = %s) "
+            "GROUP BY c.key ORDER BY 2 DESC, 1",
+            [tenant_id, tenant_id, version.created_at, tenant_id, version.pk])
+        return [{"entity_type": k, "n": int(n), "trajectories": t}
+                for k, n, t in cur.fetchall()]
+
+
 def review_facts(version: DatasetVersion) -> dict[str, Any]:
     """What a reviewer reads before deciding, all limited to the version's members and to the
     steps the freeze pinned (created at or before it)."""
@@ -138,10 +159,7 @@ def review_facts(version: DatasetVersion) -> dict[str, Any]:
                      .values("agent__name").annotate(n=Count("pk")).order_by("-n", "agent__name"))
     findings = Finding.objects.for_tenant(tenant_id).filter(
         step__trajectory_id__in=member_ids, step__created_at__lte=version.created_at)
-    per_type = list(findings.values("entity_type")
-                    .annotate(n=Count("id"), trajectories=Count("step__trajectory_id",
-                                                                distinct=True))
-                    .order_by("-n", "entity_type"))
+    per_type = findings_by_type(tenant_id, version)
     with_findings = findings.values("step__trajectory_id").distinct().count()
 
     sample_ids = list(version.sample_ids or [])
@@ -155,7 +173,7 @@ def review_facts(version: DatasetVersion) -> dict[str, Any]:
                    steps.filter(trajectory_id__in=sample_ids)
                    .order_by("trajectory_id", "started_at", "id").distinct("trajectory_id")))}
     finding_counts = dict(findings.filter(step__trajectory_id__in=sample_ids)
-                          .values_list("step__trajectory_id").annotate(n=Count("id")))
+                          .values_list("step__trajectory_id").annotate(n=Sum("total")))
     sample = []
     for tid in sample_ids:
         traj = trajectories.get(str(tid))

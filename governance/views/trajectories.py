@@ -34,7 +34,7 @@ from typing import Any
 from django import forms
 from django.core import signing
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet
+from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet, Sum
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.urls import NoReverseMatch, reverse
@@ -287,7 +287,7 @@ def annotate_row_status(tenant: Any, rows: list[Trajectory]) -> None:
                   worst=Max("status_code", filter=Q(status_code__gte=400))))}
     findings = dict(Finding.objects.for_tenant(tenant).filter(step__trajectory_id__in=ids)
                     .values("step__trajectory_id").order_by()
-                    .annotate(n=Count("pk")).values_list("step__trajectory_id", "n"))
+                    .annotate(n=Sum("total")).values_list("step__trajectory_id", "n"))
     for t in rows:
         t.calls = calls.get(t.pk, {})
         t.findings = findings.get(t.pk, 0)

@@ -298,7 +298,8 @@ def scenario(args: argparse.Namespace) -> dict:
             cur.execute("SELECT count(*) FROM governance_interaction "
                         "WHERE state = 'quarantined'")
             quarantined = int(cur.fetchone()[0])
-            cur.execute("SELECT count(*), count(DISTINCT step_id) FROM governance_finding")
+            cur.execute("SELECT coalesce(sum(total), 0), count(DISTINCT step_id) "
+                        "FROM governance_finding")
             n_findings, steps_with = cur.fetchone()
             cur.execute("SELECT count(*), count(interaction_id) FROM governance_step")
             steps_total, steps_linked = cur.fetchone()
