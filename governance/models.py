@@ -199,7 +199,10 @@ class PlaceholderDelta(models.Model):
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
                                    related_name="placeholder_deltas", db_index=False)
     seq = models.PositiveIntegerField()
-    state = models.JSONField()
+    # The delta ({"v", "labels", "aliases", "counters"}) as zlib over its JSON: the labels'
+    # keys are hex HMACs, which PostgreSQL's own compression (pglz: no entropy coding) leaves
+    # as they are and zlib halves — ~40 labels a call in PII-dense sessions (decision 37).
+    data = models.BinaryField()
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TenantManager()
@@ -208,6 +211,22 @@ class PlaceholderDelta(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["trajectory", "seq"], name="phdelta_traj_seq"),
         ]
+
+    @staticmethod
+    def pack(delta: dict) -> bytes:
+        import zlib
+
+        import orjson
+
+        return zlib.compress(orjson.dumps(delta), 6)
+
+    def delta(self) -> dict:
+        """The delta this row holds (what `pack` packed)."""
+        import zlib
+
+        import orjson
+
+        return orjson.loads(zlib.decompress(bytes(self.data)))
 
 
 class Interaction(models.Model):
@@ -224,7 +243,12 @@ class Interaction(models.Model):
     # started_at), plus a trigger refusing either id stored with another started_at
     # (migration 0017). The table is partitioned by month on `started_at`.
     flow_id = models.CharField(max_length=64, unique=True)
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="interactions")
+    # Every index here costs bytes and a write on every captured call (decision 37): no
+    # tenant index (ia_tenant_started leads with it), no subject-hash index but the partial
+    # interaction_subject_traj (erasure's lookup, always per tenant), and none of Django's
+    # varchar_pattern_ops twins (nothing runs LIKE on these columns; migration 0022).
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="interactions",
+                               db_index=False)
     agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="interactions")
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
                                    related_name="interactions")
@@ -237,7 +261,7 @@ class Interaction(models.Model):
     request_is_json = models.BooleanField(default=True)
     error_kind = models.CharField(max_length=32, blank=True, default="")
     error_message = models.TextField(blank=True, default="")
-    subject_hash = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    subject_hash = models.CharField(max_length=64, blank=True, default="")
     consent = models.CharField(max_length=16, choices=Consent.choices, default=Consent.TRAIN)
     started_at = models.DateTimeField()
     first_byte_at = models.DateTimeField(null=True, blank=True)
@@ -267,8 +291,12 @@ class Step(models.Model):
     as the ATDP document by governance/capture/atdp.py. Never updated after it is built."""
 
     id = models.UUIDField(primary_key=True)
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="steps")
-    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, related_name="steps")
+    # No tenant or trajectory index of their own: step_tenant_started and step_traj_started
+    # lead with them (migration 0022, decision 37).
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="steps",
+                               db_index=False)
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, related_name="steps",
+                                   db_index=False)
     # No database constraint: steps and interactions are partitioned by time (decision 33),
     # and PostgreSQL's foreign keys into a partitioned table need its partition key. Django's
     # collector still sets it NULL when the interaction is deleted through the ORM; retention
@@ -471,7 +499,10 @@ class SubjectIndex(models.Model):
         ITEM = "item", "Found in a conversation item"
         SCAN = "scan", "Found by an erasure scan"
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="subject_index")
+    # No tenant index (lookups go through the GIN index, deletes through the trajectory) and
+    # no plain item index (subjectindex_item is one): migration 0022, decision 37.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="subject_index",
+                               db_index=False)
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
                                    related_name="subject_index")
     # No database constraints into the partitioned steps and interactions (decision 33):
@@ -481,7 +512,7 @@ class SubjectIndex(models.Model):
     interaction = models.ForeignKey(Interaction, null=True, blank=True,
                                     on_delete=models.CASCADE, related_name="subject_index",
                                     db_constraint=False)
-    item = models.ForeignKey("ConversationItem", null=True, blank=True,
+    item = models.ForeignKey("ConversationItem", null=True, blank=True, db_index=False,
                              on_delete=models.CASCADE, related_name="subject_index")
     source = models.CharField(max_length=8, choices=Source.choices)
     entity_types = ArrayField(models.CharField(max_length=32), default=list)

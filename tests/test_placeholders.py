@@ -67,7 +67,7 @@ def test_batches_append_only_what_they_numbered_and_read_back_whole(tenant, agen
     # The batch that numbered nothing new wrote nothing; the others only their own entries.
     assert [d.seq for d in deltas] == [1, 2]
     assert Trajectory.objects.get(pk=traj.pk).sanitizer_state_seq == 2
-    assert len(deltas[0].state["labels"]) == 2 and "aliases" in deltas[0].state
+    assert len(deltas[0].delta()["labels"]) == 2 and "aliases" in deltas[0].delta()
     assert Trajectory.objects.get(pk=traj.pk).sanitizer_state == base.to_json()
     assert delta_between(expected.to_json(), expected) == {}
 

@@ -199,7 +199,8 @@ def world(tenant, other_tenant, make_member):
         ConversationItem.objects.create(tenant=t, trajectory=traj, digest=f"m:{t.slug}",
                                         sanitizer_version="test-1", content={"role": "user"})
         PlaceholderDelta.objects.create(tenant=t, trajectory=traj, seq=1,
-                                        state={"labels": {"k": "PERSON_1"}})
+                                        data=PlaceholderDelta.pack(
+                                            {"labels": {"k": "PERSON_1"}}))
         add_findings(t, step, ["EMAIL_ADDRESS"], path="$.x")
         SubjectIndex.objects.create(tenant=t, trajectory=traj, step=step,
                                     interaction=step.interaction, source="step",

@@ -218,8 +218,8 @@ def test_steps_are_built_from_sanitized_exchanges_only(tenant, agent, tmp_path):
     assert Trajectory.objects.get(pk=traj).sanitizer_state == {}
     assert PlaceholderDelta.objects.filter(trajectory_id=traj).count() == (
         Trajectory.objects.get(pk=traj).sanitizer_state_seq) >= 1
-    assert_clean(json.dumps(list(PlaceholderDelta.objects.filter(trajectory_id=traj)
-                                 .values_list("state", flat=True))))
+    assert_clean(json.dumps([d.delta() for d in
+                             PlaceholderDelta.objects.filter(trajectory_id=traj)]))
 
     # Subject index: by a found identifier (any spelling) and by the subject header.
     def found(entity_type: str, value: str) -> set[str]:

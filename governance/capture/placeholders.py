@@ -34,9 +34,9 @@ def read_states(trajectory_ids: Iterable[Any]) -> dict[Any, tuple[int, Placehold
         for tid, seq, data in (PlaceholderDelta.objects
                                .filter(trajectory_id__in=[t for t, s in seqs.items() if s])
                                .order_by("trajectory_id", "seq")
-                               .values_list("trajectory_id", "seq", "state")):
+                               .values_list("trajectory_id", "seq", "data")):
             if seq <= seqs[tid]:  # a delta committed after the trajectory row was read waits
-                apply_delta(out[tid][1], data)
+                apply_delta(out[tid][1], PlaceholderDelta(data=data).delta())
     return out
 
 
@@ -76,7 +76,8 @@ def write_deltas(trajectories: dict[Any, Trajectory], states: dict[Any, Placehol
         traj.sanitizer_state_seq += 1
         rows.append(PlaceholderDelta(tenant_id=traj.tenant_id, trajectory_id=tid,
                                      seq=traj.sanitizer_state_seq,
-                                     state={"v": PlaceholderState.VERSION, **delta}))
+                                     data=PlaceholderDelta.pack(
+                                         {"v": PlaceholderState.VERSION, **delta})))
         changed.append(traj)
     PlaceholderDelta.objects.bulk_create(rows, batch_size=500)
     Trajectory.objects.bulk_update(changed, ["sanitizer_state_seq"], batch_size=500)

@@ -412,6 +412,9 @@ def appliance(server: str, broker: str, agents: list[str], keep_db: bool = False
         if stop_upstream is not None:
             stop_upstream()
         drop_run_state(server, None if keep_db else db_name, broker, prefix)
+        if keep_db:  # to open the kept database's payloads (a throwaway key of this run)
+            print(f"long_sessions: kept database {db_name}, STEWARD_MASTER_KEY="
+                  f"{env['STEWARD_MASTER_KEY']}", file=sys.stderr)
         if ok:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
@@ -553,7 +556,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         "lag_p50_s": round(statistics.median(lags), 2) if lags else None,
         "lag_p95_s": round(percentile(lags, 95), 2) if lags else None,
         "db_growth_bytes": sum(growth.values()),
-        "db_growth_top": dict(sorted(growth.items(), key=lambda kv: -kv[1])[:5]),
+        "db_growth_top": dict(sorted(growth.items(), key=lambda kv: -kv[1])[:12]),
         "atdp_bytes": atdp, "atdp_compact_bytes": atdp_compact,
         "trajectories": len(trajectories),
         "steps_per_trajectory": [steps_per_trajectory[0], steps_per_trajectory[-1]]
