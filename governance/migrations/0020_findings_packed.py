@@ -33,7 +33,21 @@ def _system(cursor) -> None:
     cursor.execute("SELECT set_config('steward.system', 'on', true)")
 
 
+def _pack_group(found: list) -> tuple[str, int, bytes]:
+    strings: dict[str, int] = {}
+    rows, counts = [], {}
+    for etype, path, vpath, rec, op, start, end, score in found:
+        rows.append([strings.setdefault(x, len(strings))
+                     for x in (etype, path or "$", vpath or "", rec or "", op or "")]
+                    + [int(start), int(end), round(float(score) * 1000)])
+        counts[etype] = counts.get(etype, 0) + 1
+    spans = zlib.compress(orjson.dumps({"v": 1, "s": list(strings), "f": rows}), 6)
+    return orjson.dumps(dict(sorted(counts.items()))).decode(), len(rows), spans
+
+
 def pack_rows(apps, schema_editor) -> None:
+    """Group the old rows into a temporary table, BATCH groups at a time through a
+    server-side cursor (memory stays bounded on a large installation), then swap them in."""
     conn = schema_editor.connection
     with conn.cursor() as cur:
         _system(cur)
@@ -41,30 +55,23 @@ def pack_rows(apps, schema_editor) -> None:
             "CREATE TEMP TABLE finding_packed (id bigint, tenant_id bigint, step_id uuid, "
             "item_id bigint, side varchar(8), sanitizer_version varchar(64), "
             "created_at timestamptz, counts jsonb, total integer, spans bytea) ON COMMIT DROP")
-        cur.execute(
+    with conn.connection.cursor(name="steward_0020_groups") as groups, \
+            conn.cursor() as cur:
+        groups.itersize = BATCH
+        groups.execute(
             'SELECT min(id), tenant_id, step_id, item_id, side, sanitizer_version, '
             'min(created_at), json_agg(json_build_array(entity_type, path, value_path, '
-            'recognizer, operator, start, "end", score) ORDER BY id) '
+            'recognizer, operator, start, "end", score) ORDER BY id)::text '
             'FROM governance_finding WHERE total = 0 '
             'GROUP BY tenant_id, step_id, item_id, side, sanitizer_version')
-        groups = cur.fetchall()
-        out = []
-        for pk, tenant_id, step_id, item_id, side, version, created, found in groups:
-            if isinstance(found, str):
-                found = orjson.loads(found)
-            strings: dict[str, int] = {}
-            rows, counts = [], {}
-            for etype, path, vpath, rec, op, start, end, score in found:
-                rows.append([strings.setdefault(x, len(strings))
-                             for x in (etype, path or "$", vpath or "", rec or "", op or "")]
-                            + [int(start), int(end), round(float(score) * 1000)])
-                counts[etype] = counts.get(etype, 0) + 1
-            spans = zlib.compress(orjson.dumps({"v": 1, "s": list(strings), "f": rows}), 6)
-            out.append((pk, tenant_id, step_id, item_id, side, version, created,
-                        orjson.dumps(dict(sorted(counts.items()))).decode(), len(rows), spans))
-        for i in range(0, len(out), BATCH):
-            cur.executemany("INSERT INTO finding_packed VALUES "
-                            "(%s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s, %s)", out[i:i + BATCH])
+        while chunk := groups.fetchmany(BATCH):
+            cur.executemany(
+                "INSERT INTO finding_packed VALUES (%s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s, "
+                "%s)", [(pk, tenant_id, step_id, item_id, side, version, created,
+                         *_pack_group(orjson.loads(found)))
+                        for pk, tenant_id, step_id, item_id, side, version, created, found
+                        in chunk])
+    with conn.cursor() as cur:
         cur.execute("DELETE FROM governance_finding WHERE total = 0")
         # The old columns are still there (dropped next) and NOT NULL: blanks for them.
         cur.execute(
@@ -79,30 +86,48 @@ def pack_rows(apps, schema_editor) -> None:
 
 
 def expand_rows(apps, schema_editor) -> None:
+    """Every packed row back as one row per finding (the first keeping the row's id), BATCH
+    packed rows at a time through a server-side cursor."""
     conn = schema_editor.connection
+    columns = ("tenant_id, step_id, item_id, side, sanitizer_version, created_at, entity_type, "
+               'path, value_path, recognizer, operator, start, "end", score, counts, total, '
+               "spans")
     with conn.cursor() as cur:
         _system(cur)
-        cur.execute("SELECT id, tenant_id, step_id, item_id, side, sanitizer_version, "
-                    "created_at, spans FROM governance_finding WHERE total > 0 ORDER BY id")
-        packed = cur.fetchall()
+        cur.execute(
+            "CREATE TEMP TABLE finding_expanded (id bigint, tenant_id bigint, step_id uuid, "
+            "item_id bigint, side varchar(8), sanitizer_version varchar(64), "
+            "created_at timestamptz, entity_type varchar(32), path varchar(512), "
+            "value_path varchar(512), recognizer varchar(64), operator varchar(16), "
+            'start integer, "end" integer, score double precision, counts jsonb, '
+            "total integer, spans bytea) ON COMMIT DROP")
+    with conn.connection.cursor(name="steward_0020_packed") as packed, conn.cursor() as cur:
+        packed.itersize = BATCH
+        packed.execute("SELECT id, tenant_id, step_id, item_id, side, sanitizer_version, "
+                       "created_at, spans FROM governance_finding WHERE total > 0 ORDER BY id")
+        while chunk := packed.fetchmany(BATCH):
+            first, rest = [], []
+            for pk, tenant_id, step_id, item_id, side, version, created, spans in chunk:
+                doc = (orjson.loads(zlib.decompress(bytes(spans))) if spans
+                       else {"s": [], "f": []})
+                s = doc["s"]
+                for n, (t, p, vp, r, o, start, end, score) in enumerate(doc["f"]):
+                    values = (tenant_id, step_id, item_id, side, version, created, s[t], s[p],
+                              s[vp], s[r], s[o], start, end, score / 1000)
+                    (first if n == 0 else rest).append((pk, *values) if n == 0 else values)
+            placeholders = ", ".join(["%s"] * 14) + ", '{}'::jsonb, 0, ''::bytea"
+            cur.executemany(f"INSERT INTO finding_expanded (id, {columns}) VALUES "
+                            f"(%s, {placeholders})", first)
+            # The rest take new ids from the table's identity when they are copied back.
+            cur.executemany(f"INSERT INTO finding_expanded (id, {columns}) VALUES "
+                            f"(NULL, {placeholders})", rest)
+    with conn.cursor() as cur:
         cur.execute("DELETE FROM governance_finding WHERE total > 0")
-        for pk, tenant_id, step_id, item_id, side, version, created, spans in packed:
-            doc = orjson.loads(zlib.decompress(bytes(spans))) if spans else {"s": [], "f": []}
-            s = doc["s"]
-            for n, (t, p, vp, r, o, start, end, score) in enumerate(doc["f"]):
-                values = [tenant_id, step_id, item_id, side, version, created, s[t], s[p],
-                          s[vp], s[r], s[o], start, end, score / 1000]
-                columns = ("tenant_id, step_id, item_id, side, sanitizer_version, created_at, "
-                           'entity_type, path, value_path, recognizer, operator, start, "end", '
-                           "score, counts, total, spans")
-                if n == 0:  # the first finding keeps the packed row's id
-                    cur.execute(f"INSERT INTO governance_finding (id, {columns}) VALUES "
-                                "(%s, " + ", ".join(["%s"] * len(values))
-                                + ", '{}'::jsonb, 0, ''::bytea)", [pk, *values])
-                else:
-                    cur.execute(f"INSERT INTO governance_finding ({columns}) VALUES ("
-                                + ", ".join(["%s"] * len(values)) + ", '{}'::jsonb, 0, "
-                                "''::bytea)", values)
+        cur.execute(f"INSERT INTO governance_finding (id, {columns}) SELECT id, {columns} "
+                    "FROM finding_expanded WHERE id IS NOT NULL")
+        cur.execute(f"INSERT INTO governance_finding ({columns}) SELECT {columns} "
+                    "FROM finding_expanded WHERE id IS NULL")
+        cur.execute("DROP TABLE finding_expanded")
         cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
 
 

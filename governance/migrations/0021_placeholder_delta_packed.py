@@ -14,22 +14,35 @@ def _system(schema_editor) -> None:
         cursor.execute("SELECT set_config('steward.system', 'on', true)")
 
 
+def _chunks(qs, size: int = 500):
+    """The rows in lists of `size`, read through a server-side cursor: memory stays bounded
+    however many deltas an installation holds."""
+    chunk = []
+    for row in qs.iterator(chunk_size=size):
+        chunk.append(row)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def pack(apps, schema_editor) -> None:
     _system(schema_editor)
     PlaceholderDelta = apps.get_model("governance", "PlaceholderDelta")
-    rows = list(PlaceholderDelta.objects.only("pk", "state"))
-    for row in rows:
-        row.data = zlib.compress(orjson.dumps(row.state), 6)
-    PlaceholderDelta.objects.bulk_update(rows, ["data"], batch_size=500)
+    for rows in _chunks(PlaceholderDelta.objects.only("pk", "state").order_by("pk")):
+        for row in rows:
+            row.data = zlib.compress(orjson.dumps(row.state), 6)
+        PlaceholderDelta.objects.bulk_update(rows, ["data"])
 
 
 def unpack(apps, schema_editor) -> None:
     _system(schema_editor)
     PlaceholderDelta = apps.get_model("governance", "PlaceholderDelta")
-    rows = list(PlaceholderDelta.objects.only("pk", "data"))
-    for row in rows:
-        row.state = orjson.loads(zlib.decompress(bytes(row.data)))
-    PlaceholderDelta.objects.bulk_update(rows, ["state"], batch_size=500)
+    for rows in _chunks(PlaceholderDelta.objects.only("pk", "data").order_by("pk")):
+        for row in rows:
+            row.state = orjson.loads(zlib.decompress(bytes(row.data)))
+        PlaceholderDelta.objects.bulk_update(rows, ["state"])
 
 
 class Migration(migrations.Migration):
