@@ -36,10 +36,15 @@ REVIEWED_MEDIUM: dict[tuple[str, str], tuple[int, str]] = {
         1, "pickle.load in `build`, the maintainer's tool that cuts the committed gazetteer "
         "from the names-dataset package's own data file; never run by the appliance, never "
         "on outside input"),
+    ("governance/views/approvals.py", "B608"): (
+        1, "findings by entity type over a version's members: table names from the models' "
+        "_meta quoted by connection.ops.quote_name; tenant, version and time are bound "
+        "parameters"),
     ("governance/capture/atdp.py", "B611"): (
         1, "RawSQL of a constant string (finding counts per step) without parameters"),
     ("governance/capture/rawstore.py", "B608"): (
-        1, "identifiers come from the model's _meta quoted by connection.ops.quote_name; every "
+        2, "the delta-base and recursive chain queries: identifiers come from the model's "
+        "_meta quoted by connection.ops.quote_name; every "
         "value is a bound parameter"),
     ("governance/services.py", "B608"): (
         2, "table name from the model's _meta; the subquery is Django's own compiled SQL with "
