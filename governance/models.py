@@ -10,8 +10,10 @@ side).
 from __future__ import annotations
 
 import uuid
+import zlib
 from collections.abc import Iterable
 
+import orjson
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import GinIndex
@@ -214,19 +216,15 @@ class PlaceholderDelta(models.Model):
 
     @staticmethod
     def pack(delta: dict) -> bytes:
-        import zlib
-
-        import orjson
-
         return zlib.compress(orjson.dumps(delta), 6)
+
+    @staticmethod
+    def unpack(data: bytes | memoryview) -> dict:
+        return orjson.loads(zlib.decompress(bytes(data)))
 
     def delta(self) -> dict:
         """The delta this row holds (what `pack` packed)."""
-        import zlib
-
-        import orjson
-
-        return orjson.loads(zlib.decompress(bytes(self.data)))
+        return self.unpack(self.data)
 
 
 class Interaction(models.Model):

@@ -419,7 +419,7 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
             continue
         item_id = known[key[0]].ids[key[1]]
         ia = w.interaction
-        w.findings.extend(_findings(ia, item.findings, version, item_id))
+        w.findings.extend(packed_rows(ia.tenant_id, ia.step_id, item.findings, version, item_id))
         w.index_rows.extend(_index_rows(ia, item.identifiers, item_id))
     # A step holding an item the database refused (a value jsonb cannot store, e.g. \u0000)
     # is not stored either; a step extending one of those keeps its whole history itself.
@@ -473,13 +473,6 @@ def _insert_items(rows: dict[tuple[Any, str], ConversationItem]
             refused[key] = ("step not stored: the database refused it ("
                             f"{type(exc).__name__}{' ' + code if code else ''})")
     return inserted, refused
-
-
-def _findings(ia: Interaction, found: list[dict[str, Any]], version: str,
-              item_id: int | None = None) -> list[Finding]:
-    """The packed Finding rows of one place (an item, or the step's exchange outside its
-    history): one per side (capture/findings.py, decision 37)."""
-    return packed_rows(ia.tenant_id, ia.step_id, found, version, item_id)
 
 
 def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
@@ -605,7 +598,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 training_eligible=ia.consent == Consent.TRAIN and fields["error"] is None,
                 **fields, **columns,
             )
-            write.findings.extend(_findings(ia, result.findings, version))
+            write.findings.extend(packed_rows(ia.tenant_id, ia.step_id, result.findings, version))
             write.index_rows.extend(_index_rows(ia, result.identifiers))
             row = _header_row(ia, ia.step_id)
             if row is not None:

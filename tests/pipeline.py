@@ -101,3 +101,24 @@ def ship_and_build(spool_dir: Path, records: list[dict]) -> dict:
     if ids:
         build_steps(ids)
     return counts
+
+
+CUSTOMERS = ("Customer record: Maria Garcia, maria.garcia@example.com, +1 415 555 0142. "
+             "Also on file: Peter Novak, peter.novak@example.org, +44 20 7946 0018.")
+
+
+def customer_session(tenant_id: int, agent_id: int, trajectory_id: str,
+                     subject: str | None = None) -> list[dict]:
+    """Two calls of one session about customers (CUSTOMERS in the history, a person and an
+    email in the first answer, a new email in the second call's appended message)."""
+    history = [{"role": "system", "content": "You look up customers."},
+               {"role": "user", "content": CUSTOMERS}]
+    first = make_record(tenant_id, agent_id, trajectory_id=trajectory_id, subject=subject,
+                        request={"model": "m", "messages": history},
+                        response=chat_response("Found Maria Garcia (maria.garcia@example.com)."))
+    second = make_record(tenant_id, agent_id, trajectory_id=trajectory_id, subject=subject,
+                         request={"model": "m", "messages": history + [
+                             {"role": "assistant", "content": "Which one?"},
+                             {"role": "user", "content": "Email dana.white@example.net"}]},
+                         response=chat_response("ok"), t=first["t_request"] + 1)
+    return [first, second]

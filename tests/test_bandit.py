@@ -37,9 +37,8 @@ REVIEWED_MEDIUM: dict[tuple[str, str], tuple[int, str]] = {
         "from the names-dataset package's own data file; never run by the appliance, never "
         "on outside input"),
     ("governance/views/approvals.py", "B608"): (
-        1, "findings by entity type over a version's members: table names from the models' "
-        "_meta quoted by connection.ops.quote_name; tenant, version and time are bound "
-        "parameters"),
+        1, "findings by entity type: wraps the queryset's own compiled SQL, its parameters "
+        "bound; no outside text"),
     ("governance/capture/atdp.py", "B611"): (
         1, "RawSQL of a constant string (finding counts per step) without parameters"),
     ("governance/capture/rawstore.py", "B608"): (

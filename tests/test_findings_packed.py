@@ -16,10 +16,7 @@ from governance.capture import findings as codec
 from governance.capture.atdp import trajectory_document
 from governance.models import Finding, Interaction, Step, Trajectory
 from governance.tenancy import tenant_context
-from tests.pipeline import chat_response, make_record, ship_and_build
-
-CUSTOMERS = ("Customer record: Maria Garcia, maria.garcia@example.com, +1 415 555 0142. "
-             "Also on file: Peter Novak, peter.novak@example.org, +44 20 7946 0018.")
+from tests.pipeline import customer_session, ship_and_build
 
 
 @pytest.fixture
@@ -40,30 +37,20 @@ def test_codec_round_trip_keeps_order_and_cuts_long_strings():
         {"entity_type": "PERSON", "path": "$.tools[0]", "value_path": "$.name" + "x" * 600,
          "start": 0, "end": 4, "score": 0.123456, "recognizer": "r", "operator": "redact"},
     ]
-    back = codec.unpack(codec.pack(found))
+    back = codec.unpack(codec.pack([codec.clean(f) for f in found]))
     assert [b["entity_type"] for b in back] == ["PERSON", "EMAIL_ADDRESS", "PERSON"]
     assert back[0] == found[0] and back[1] == found[1]
     assert back[2]["score"] == 0.123 and len(back[2]["value_path"]) == 512
-    assert codec.counts(found) == {"EMAIL_ADDRESS": 1, "PERSON": 2}
+    assert codec.counts([codec.clean(f) for f in found]) == {"EMAIL_ADDRESS": 1, "PERSON": 2}
     assert codec.unpack(b"") == []
     # Each distinct string once: 60 findings on one path pack into far less than their rows.
     many = [dict(found[0], start=i, end=i + 5) for i in range(60)]
-    assert len(codec.pack(many)) < 400
+    assert len(codec.pack([codec.clean(f) for f in many])) < 400
 
 
 def test_builder_writes_one_row_per_place_and_side(tenant, agent, tmp_path):
     traj = str(uuid.uuid4())
-    history = [{"role": "system", "content": "You look up customers."},
-               {"role": "user", "content": CUSTOMERS}]
-    first = make_record(tenant.pk, agent.pk, trajectory_id=traj,
-                        request={"model": "m", "messages": history},
-                        response=chat_response("Found Maria Garcia (maria.garcia@example.com)."))
-    second = make_record(tenant.pk, agent.pk, trajectory_id=traj,
-                         request={"model": "m", "messages": history + [
-                             {"role": "assistant", "content": "Which one?"},
-                             {"role": "user", "content": "Email dana.white@example.net"}]},
-                         response=chat_response("ok"), t=first["t_request"] + 1)
-    ship_and_build(tmp_path, [first, second])
+    ship_and_build(tmp_path, customer_session(tenant.pk, agent.pk, traj))
     assert set(Interaction.objects.values_list("state", flat=True)) == {"processed"}
     steps = list(Step.objects.filter(trajectory_id=traj).order_by("started_at"))
     rows = list(Finding.objects.filter(step__trajectory_id=traj))

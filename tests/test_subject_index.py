@@ -17,10 +17,7 @@ from governance.keyring import subject_hash
 from governance.models import ConversationItem, Interaction, Step, SubjectIndex, Trajectory
 from governance.sanitizer import normalize_identifier
 from governance.tenancy import tenant_context
-from tests.pipeline import chat_response, make_record, ship_and_build
-
-CUSTOMERS = ("Customer record: Maria Garcia, maria.garcia@example.com, +1 415 555 0142. "
-             "Also on file: Peter Novak, peter.novak@example.org, +44 20 7946 0018.")
+from tests.pipeline import customer_session, ship_and_build
 
 
 @pytest.fixture
@@ -37,16 +34,7 @@ def _hash(tenant, etype: str, value: str) -> bytes:
 def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
         tenant, agent, tmp_path):
     traj = str(uuid.uuid4())
-    history = [{"role": "system", "content": "You look up customers."},
-               {"role": "user", "content": CUSTOMERS}]
-    first = make_record(tenant.pk, agent.pk, trajectory_id=traj, subject="maria@example.com",
-                        request={"model": "m", "messages": history},
-                        response=chat_response("Found Maria Garcia (maria.garcia@example.com)."))
-    second = make_record(tenant.pk, agent.pk, trajectory_id=traj, subject="maria@example.com",
-                         request={"model": "m", "messages": history + [
-                             {"role": "assistant", "content": "Which one?"},
-                             {"role": "user", "content": "Email dana.white@example.net"}]},
-                         response=chat_response("ok"), t=first["t_request"] + 1)
+    first, second = customer_session(tenant.pk, agent.pk, traj, subject="maria@example.com")
     ship_and_build(tmp_path, [first, second])
     assert set(Interaction.objects.values_list("state", flat=True)) == {"processed"}
 

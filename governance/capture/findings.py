@@ -50,17 +50,16 @@ def clean(finding: dict[str, Any]) -> dict[str, Any]:
 
 
 def pack(findings: Iterable[dict[str, Any]]) -> bytes:
-    """The findings' detail as bytes: zlib of {"v", "s": distinct strings, "f": per finding
-    [entity type, path, value path, recognizer, operator as indexes into "s"; start; end;
-    score x 1000]}."""
+    """The findings' detail (as `clean` leaves them) as bytes: zlib of {"v", "s": distinct
+    strings, "f": per finding [entity type, path, value path, recognizer, operator as indexes
+    into "s"; start; end; score x 1000]}."""
     strings: dict[str, int] = {}
 
     def ref(text: str) -> int:
         return strings.setdefault(text, len(strings))
 
     rows = []
-    for f in findings:
-        c = clean(f)
+    for c in findings:
         rows.append([ref(c["entity_type"]), ref(c["path"]), ref(c["value_path"]),
                      ref(c["recognizer"]), ref(c["operator"]), c["start"], c["end"],
                      round(c["score"] * SCORE_SCALE)])
@@ -82,8 +81,8 @@ def unpack(blob: bytes | memoryview | None) -> list[dict[str, Any]]:
 
 
 def counts(findings: Iterable[dict[str, Any]]) -> dict[str, int]:
-    """{entity type: n}, sorted by entity type."""
-    return dict(sorted(Counter(clean(f)["entity_type"] for f in findings).items()))
+    """{entity type: n} of findings as `clean` leaves them, sorted by entity type."""
+    return dict(sorted(Counter(f["entity_type"] for f in findings).items()))
 
 
 def packed_rows(tenant_id: int, step_id: Any, findings: list[dict[str, Any]], version: str,
@@ -93,8 +92,8 @@ def packed_rows(tenant_id: int, step_id: Any, findings: list[dict[str, Any]], ve
     from governance.models import Finding
 
     by_side: dict[str, list[dict[str, Any]]] = {}
-    for f in findings:
-        by_side.setdefault(str(f.get("side") or Finding.Side.REQUEST), []).append(f)
+    for f in findings:  # cleaned once: pack and counts read the same cut values
+        by_side.setdefault(str(f.get("side") or Finding.Side.REQUEST), []).append(clean(f))
     return [Finding(tenant_id=tenant_id, step_id=step_id, item_id=item_id, side=side,
                     counts=counts(group), total=len(group), spans=pack(group),
                     sanitizer_version=version)

@@ -36,7 +36,7 @@ def read_states(trajectory_ids: Iterable[Any]) -> dict[Any, tuple[int, Placehold
                                .order_by("trajectory_id", "seq")
                                .values_list("trajectory_id", "seq", "data")):
             if seq <= seqs[tid]:  # a delta committed after the trajectory row was read waits
-                apply_delta(out[tid][1], PlaceholderDelta(data=data).delta())
+                apply_delta(out[tid][1], PlaceholderDelta.unpack(data))
     return out
 
 

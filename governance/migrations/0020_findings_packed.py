@@ -114,7 +114,10 @@ def expand_rows(apps, schema_editor) -> None:
                 for n, (t, p, vp, r, o, start, end, score) in enumerate(doc["f"]):
                     values = (tenant_id, step_id, item_id, side, version, created, s[t], s[p],
                               s[vp], s[r], s[o], start, end, score / 1000)
-                    (first if n == 0 else rest).append((pk, *values) if n == 0 else values)
+                    if n == 0:
+                        first.append((pk, *values))
+                    else:
+                        rest.append(values)
             placeholders = ", ".join(["%s"] * 14) + ", '{}'::jsonb, 0, ''::bytea"
             cur.executemany(f"INSERT INTO finding_expanded (id, {columns}) VALUES "
                             f"(%s, {placeholders})", first)

@@ -14,7 +14,7 @@ from typing import Any
 from django.contrib import messages
 from django.core.paginator import Paginator
 from django.db import connection
-from django.db.models import Case, Count, F, IntegerField, Sum, Value, When
+from django.db.models import Case, Count, F, IntegerField, QuerySet, Sum, Value, When
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
@@ -125,22 +125,17 @@ def step_excerpt(step: Step) -> dict[str, str]:
     return {"prompt": prompt, "reply": reply}
 
 
-def findings_by_type(tenant_id: int, version: DatasetVersion) -> list[dict[str, Any]]:
-    """[{entity_type, n, trajectories}] over the version's members' steps pinned by the
-    freeze, most found first: the packed rows' counts summed (capture/findings.py)."""
-    q = connection.ops.quote_name
-    finding, step = q(Finding._meta.db_table), q(Step._meta.db_table)
-    member = q(DatasetVersionMember._meta.db_table)
-    with tenant_context(tenant_id), connection.cursor() as cur:
+def findings_by_type(findings: QuerySet) -> list[dict[str, Any]]:
+    """[{entity_type, n, trajectories}] over these (packed) Finding rows, most found first:
+    their counts summed (capture/findings.py). The rows are the queryset's own SQL, so the
+    version's filters are written once."""
+    sql, params = findings.values_list("counts", "step__trajectory_id").query.sql_with_params()
+    with connection.cursor() as cur:
         cur.execute(
-            f"SELECT c.key, sum(c.value::int), count(DISTINCT s.trajectory_id) "  # noqa: S608
-            f"FROM {finding} f JOIN {step} s ON s.id = f.step_id "
-            "CROSS JOIN LATERAL jsonb_each_text(f.counts) c "
-            "WHERE f.tenant_id = %s AND s.tenant_id = %s AND s.created_at <= %s "
-            f"AND s.trajectory_id IN (SELECT trajectory_id FROM {member} "
-            "WHERE tenant_id = %s AND version_id = %s) "
-            "GROUP BY c.key ORDER BY 2 DESC, 1",
-            [tenant_id, tenant_id, version.created_at, tenant_id, version.pk])
+            "SELECT c.key, sum(c.value::int), count(DISTINCT f.trajectory_id) "  # noqa: S608
+            f"FROM ({sql}) AS f(counts, trajectory_id) "
+            "CROSS JOIN LATERAL jsonb_each_text(f.counts) c GROUP BY c.key ORDER BY 2 DESC, 1",
+            params)
         return [{"entity_type": k, "n": int(n), "trajectories": t}
                 for k, n, t in cur.fetchall()]
 
@@ -159,7 +154,7 @@ def review_facts(version: DatasetVersion) -> dict[str, Any]:
                      .values("agent__name").annotate(n=Count("pk")).order_by("-n", "agent__name"))
     findings = Finding.objects.for_tenant(tenant_id).filter(
         step__trajectory_id__in=member_ids, step__created_at__lte=version.created_at)
-    per_type = findings_by_type(tenant_id, version)
+    per_type = findings_by_type(findings)
     with_findings = findings.values("step__trajectory_id").distinct().count()
 
     sample_ids = list(version.sample_ids or [])

@@ -46,7 +46,7 @@ def with_db(url: str, name: str) -> str:
 
 def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
          index_hash: str, subject_trajs: int) -> dict[str, int]:
-    from governance.capture.findings import pack
+    from governance.capture.findings import clean, pack
 
     nt = n_steps // STEPS_PER_TRAJECTORY
     ts = "(now() - interval '2 days' + g * interval '10 ms')"
@@ -86,9 +86,10 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
         "sanitizer_version, created_at) SELECT %s, md5('s' || g)::uuid, 'request', "
         "'{\"EMAIL_ADDRESS\": 1}', 1, %s, 'bench-1', now() "
         f"FROM generate_series(0, %s, {STEPS_PER_TRAJECTORY}) g",
-        [tenant_id, pack([{"entity_type": "EMAIL_ADDRESS", "path": "$.messages[0].content",
-                           "start": 0, "end": 10, "score": 1.0, "recognizer": "email",
-                           "operator": "placeholder"}]), n_steps - 1])
+        [tenant_id, pack([clean({"entity_type": "EMAIL_ADDRESS", "start": 0, "end": 10,
+                                 "path": "$.messages[0].content", "score": 1.0,
+                                 "recognizer": "email", "operator": "placeholder"})]),
+         n_steps - 1])
     cursor.execute(
         "INSERT INTO governance_subjectindex (tenant_id, trajectory_id, step_id, "
         "interaction_id, source, entity_types, hashes, created_at) "

@@ -787,7 +787,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     else DEFAULT_REDIS,
                     help="Redis broker URL (default: CELERY_BROKER_URL when it is redis://, "
                          "else " + DEFAULT_REDIS + "); the run's keys carry their own prefix")
-    ap.add_argument("--keep", action="store_true", help="keep the throwaway database")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the throwaway database (its name and the run's throwaway "
+                         "master key are printed, to open its payloads)")
     ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     ap.add_argument("--strict", action="store_true",
                     help="exit 2 when an issue-16 target is missed")
