@@ -30,7 +30,7 @@ off and nothing is counted twice:
    a readable raw payload, steps with `steward.sanitizer.unscanned` (a non-JSON body, say), and
    the tenant's dead letters — are decrypted and searched: every run of up to SCAN_MAX_WORDS
    words is hashed like a subject header, and the sanitizer's identifiers are hashed like the
-   subject index's. A match adds a subject-index row (entity type SCAN_ENTITY), so stage 4
+   subject index's. A match adds a subject-index row (source `scan`), so stage 4
    deletes its trajectory; a matching dead letter is deleted here. A payload that does not
    decrypt (not shredded: damaged, or another key) is counted and keeps the request from
    ending `clean`. The scan is incremental (by id), and stage 6 scans what arrived since.
@@ -116,11 +116,9 @@ COUNT_KINDS = ("trajectories", "steps", "interactions", "raw_payloads", "finding
 # fsyncs every 20 ms), so a shipper pass started after it ships it.
 SPOOL_GRACE_S = 1.0
 # The scan of never-indexed payloads: rows per batch, the longest run of words hashed (a
-# subject as given: "Jane Roe", "jane.roe@example.com", "+1 415 555 0100" ...), and the
-# subject-index entity type of what it finds.
+# subject as given: "Jane Roe", "jane.roe@example.com", "+1 415 555 0100" ...).
 SCAN_BATCH = 50
 SCAN_MAX_WORDS = 6
-SCAN_ENTITY = "ERASURE_SCAN"
 _EDGE_PUNCT = ".,;:!?()[]{}<>\"'`*"
 # Identifier types of the subject index (governance.recognizers.IDENTIFIER_TYPES) under whose
 # normalisation a looked-up subject is hashed; the header hash (keyring.subject_hash of the
@@ -556,8 +554,8 @@ def _scan(req: ErasureRequest) -> int:
                 if kind == "interaction":
                     SubjectIndex.objects.bulk_create([SubjectIndex(
                         tenant_id=tenant_id, trajectory_id=ia.trajectory_id, interaction=ia,
-                        source=SubjectIndex.Source.SCAN, entity_types=[SCAN_ENTITY],
-                        hashes=SubjectIndex.keys([h])) for ia, h in hits])
+                        source=SubjectIndex.Source.SCAN, hashes=SubjectIndex.keys([h]))
+                        for ia, h in hits])
                 else:
                     deleted = DeadLetter.objects.for_tenant(tenant_id).filter(
                         pk__in=[d.pk for d, _ in hits]).delete()[0]
@@ -591,7 +589,7 @@ def _find_trajectories(cursor: Any, tenant_id: int, hashes: list[str], limit: in
         f"UNION SELECT trajectory_id FROM {_table('Interaction')} WHERE tenant_id = %s "
         "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
         f"UNION SELECT trajectory_id FROM {_table('SubjectIndex')} WHERE tenant_id = %s "
-        "AND hashes && %s::bytea[]) AS s LIMIT %s",
+        "AND hashes && %s::uuid[]) AS s LIMIT %s",
         [tenant_id, hashes, tenant_id, hashes, tenant_id, SubjectIndex.keys(hashes), limit])
     return [row[0] for row in cursor.fetchall()]
 
@@ -795,7 +793,7 @@ def post_condition(tenant_id: int, hashes: list[str]) -> dict[str, int]:
             f"(SELECT count(*) FROM {_table('Interaction')} "
             "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> ''), "
             f"(SELECT count(*) FROM {_table('SubjectIndex')} "
-            "WHERE tenant_id = %s AND hashes && %s::bytea[]), "
+            "WHERE tenant_id = %s AND hashes && %s::uuid[]), "
             f"(SELECT count(*) FROM {_table('DataKey')} WHERE tenant_id = %s "
             "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
             "AND wrapped_key IS NOT NULL), "

@@ -475,21 +475,21 @@ class Finding(models.Model):
 
 
 class SubjectIndex(models.Model):
-    """Which trajectories are about a data subject, for erasure: the keyed hashes
-    (keyring.subject_hash(tenant, normalize_identifier(type, value)), as 32 bytes) of the
-    identifiers (email, phone, name, IBAN, ...) the sanitizer found, packed one row per place
+    """Which trajectories are about a data subject, for erasure: the keys (`keys()`: the first
+    128 bits of keyring.subject_hash(tenant, normalize_identifier(type, value)), as a uuid) of
+    the identifiers (email, phone, name, IBAN, ...) the sanitizer found, packed one row per place
     they were found (`source`):
     - `item`: a conversation item (issue 16) — the row lives as long as the item (step and
       interaction null), not as long as the first step that carried it;
     - `step`: the rest of a step's exchange (the response, the request outside its history);
     - `header`: X-Steward-Subject of an interaction (`step` null when it was quarantined);
     - `scan`: identifiers the erasure scan found in a payload nothing had indexed.
-    `hashes` and `entity_types` are parallel arrays; a GIN index answers `hashes && ARRAY[..]`.
-    A row per identifier cost ~560 bytes with its indexes (34 per 3 KB of PII-dense agent
-    traffic: 19 KB a call); packed, ~80 (decision 34). Keyed hashes only: the index cannot be
-    read back into identifiers."""
-
-    SUBJECT_HEADER = "SUBJECT_HEADER"
+    A GIN index answers `hashes && ARRAY[..]`. A row per identifier cost ~560 bytes with its
+    indexes (34 per 3 KB of PII-dense agent traffic: 19 KB a call); packed, ~80 (decision 34).
+    128-bit keys in a uuid[] (16 bytes an element, no length word) instead of the 32-byte
+    bytea[] and its parallel entity types nobody read: 58 % fewer heap bytes and 35 % less
+    GIN (decision 38); 2^64 keys before a collision is even likely, per tenant. Keyed hashes
+    only: the index cannot be read back into identifiers."""
 
     class Source(models.TextChoices):
         HEADER = "header", "X-Steward-Subject header"
@@ -513,8 +513,7 @@ class SubjectIndex(models.Model):
     item = models.ForeignKey("ConversationItem", null=True, blank=True, db_index=False,
                              on_delete=models.CASCADE, related_name="subject_index")
     source = models.CharField(max_length=8, choices=Source.choices)
-    entity_types = ArrayField(models.CharField(max_length=32), default=list)
-    hashes = ArrayField(models.BinaryField(), default=list)
+    hashes = ArrayField(models.UUIDField(), default=list)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TenantManager()
@@ -537,20 +536,19 @@ class SubjectIndex(models.Model):
         ]
 
     @staticmethod
-    def keys(hashes: Iterable[str]) -> list[bytes]:
-        """The stored form of keyring.subject_hash values (64 hex digits -> 32 bytes), for
-        `hashes__overlap` and the `&&` of raw SQL; anything not a hash matches nothing."""
+    def keys(hashes: Iterable[str]) -> list[uuid.UUID]:
+        """The stored form of keyring.subject_hash values (64 hex digits -> their first 128
+        bits as a uuid), for `hashes__overlap` and the `&&` of raw SQL (`%s::uuid[]`);
+        anything not a hash matches nothing."""
         out = []
         for h in hashes:
             if isinstance(h, str) and len(h) == 64:
                 try:
-                    out.append(bytes.fromhex(h))
+                    bytes.fromhex(h)
                 except ValueError:
                     continue
+                out.append(uuid.UUID(h[:32]))
         return out
-
-    def hex_hashes(self) -> list[str]:
-        return [bytes(h).hex() for h in self.hashes]
 
 
 class Reward(models.Model):

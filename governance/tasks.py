@@ -162,7 +162,6 @@ def _header_row(ia: Interaction, step_id: Any) -> SubjectIndex | None:
         return None
     return SubjectIndex(tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
                         step_id=step_id, interaction=ia, source=SubjectIndex.Source.HEADER,
-                        entity_types=[SubjectIndex.SUBJECT_HEADER],
                         hashes=SubjectIndex.keys([ia.subject_hash]))
 
 
@@ -479,12 +478,10 @@ def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
                 item_id: int | None = None) -> list[SubjectIndex]:
     """The subject-index row (none or one) of the identifiers found in a step — or in a
     conversation item: bound to the item then, not to the step (see SubjectIndex)."""
-    pairs = sorted({(etype[:32], subject_hash(ia.tenant_id, value))
-                    for etype, value in identifiers})
-    if not pairs:
+    hashes = sorted({subject_hash(ia.tenant_id, value) for _, value in identifiers})
+    if not hashes:
         return []
-    packed = {"entity_types": [t for t, _ in pairs],
-              "hashes": SubjectIndex.keys(h for _, h in pairs)}
+    packed = {"hashes": SubjectIndex.keys(hashes)}
     if item_id is not None:
         return [SubjectIndex(tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
                              item_id=item_id, source=SubjectIndex.Source.ITEM, **packed)]

@@ -236,8 +236,7 @@ def test_subject_filter_finds_by_email_without_keeping_it(client, make_member, t
     by_content = make_trajectory(tenant, agents[1], steps=1)
     SubjectIndex.objects.create(
         tenant=tenant, trajectory=by_content, step=by_content.steps.first(),
-        source="step", entity_types=["EMAIL_ADDRESS"],
-        hashes=SubjectIndex.keys([subject_hash(tenant.pk,
+        source="step", hashes=SubjectIndex.keys([subject_hash(tenant.pk,
                                                normalize_identifier("EMAIL_ADDRESS", EMAIL))]))
     other = make_trajectory(tenant, agents[0], steps=1,
                             subject_hash=subject_hash(tenant.pk, "bob@example.com"))

@@ -1,7 +1,7 @@
 """The packed subject index (governance.models.SubjectIndex, migration 0018, decision 34): one
-row per place identifiers were found, their keyed hashes in a bytea[] under a GIN index —
-written by the real step builder, found by erasure's lookup, and migrated both ways from the
-row-per-identifier layout without losing a hash."""
+row per place identifiers were found, their keyed hashes (128-bit keys in a uuid[], migration
+0023, decision 38) under a GIN index — written by the real step builder, found by erasure's
+lookup, and migrated both ways from the row-per-identifier layout without losing a hash."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def agent(tenant):
     return ensure_agent("system:test", tenant, "index-bot")
 
 
-def _hash(tenant, etype: str, value: str) -> bytes:
-    return bytes.fromhex(subject_hash(tenant.pk, normalize_identifier(etype, value)))
+def _key(tenant, etype: str, value: str) -> uuid.UUID:
+    return uuid.UUID(subject_hash(tenant.pk, normalize_identifier(etype, value))[:32])
 
 
 def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
@@ -42,17 +42,18 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
     by_source: dict[str, list[SubjectIndex]] = {}
     for r in rows:
         by_source.setdefault(r.source, []).append(r)
-        assert len(r.hashes) == len(r.entity_types) >= 1
-        assert all(len(bytes(h)) == 32 for h in r.hashes)
+        assert len(r.hashes) == len(set(r.hashes)) >= 1
+        assert all(isinstance(h, uuid.UUID) for h in r.hashes)
     # One header row per interaction, one row per conversation item with identifiers, one
     # row for what the first response named; the customer message's identifiers share a row.
     assert len(by_source["header"]) == 2
     item_rows = by_source["item"]
     assert len({r.item_id for r in item_rows}) == len(item_rows)
-    customer_row = next(r for r in item_rows if _hash(tenant, "EMAIL_ADDRESS",
-                                                      "peter.novak@example.org") in
-                        [bytes(h) for h in r.hashes])
-    assert {"EMAIL_ADDRESS", "PHONE_NUMBER", "PERSON"} <= set(customer_row.entity_types)
+    customer_row = next(r for r in item_rows if _key(tenant, "EMAIL_ADDRESS",
+                                                     "peter.novak@example.org") in r.hashes)
+    # The customer's email, phone and name share the row of the message that named them.
+    assert {_key(tenant, "PHONE_NUMBER", "+44 20 7946 0018"),
+            _key(tenant, "PERSON", "Peter Novak")} <= set(customer_row.hashes)
     assert ConversationItem.objects.get(pk=customer_row.item_id).first_step is not None
     assert [r.step_id for r in by_source["step"]] == [
         Step.objects.get(interaction__flow_id=first["flow_id"]).pk]
@@ -70,8 +71,10 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
         "trajectories": 0, "interactions": 0, "subject_index": 0, "live_data_keys": 0,
         "dead_letters": 0}
     # Not a hash: matches nothing, fails nothing.
-    assert SubjectIndex.keys(["zz", "", customer_row.hex_hashes()[0]]) == [
-        bytes(customer_row.hashes[0])]
+    full = subject_hash(tenant.pk, normalize_identifier("EMAIL_ADDRESS",
+                                                        "peter.novak@example.org"))
+    assert SubjectIndex.keys(["zz", "", "g" * 64, full]) == [
+        _key(tenant, "EMAIL_ADDRESS", "peter.novak@example.org")]
 
     # The GIN index writes straight into its tree (no uncompressed pending list, decision 34).
     with connection.cursor() as cursor:
@@ -112,14 +115,17 @@ def test_migration_0018_packs_and_unpacks_rows_of_the_old_layout(tenant, agent,
                 "interaction_id, item_id, entity_type, hash, created_at) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, now())",
                 [tenant.pk, traj.pk, step, ia, item, etype, hx])
-    call_command("migrate", "governance", verbosity=0)
-    with tenant_context(tenant):
-        rows = list(SubjectIndex.objects.filter(trajectory=traj).order_by("source", "pk"))
-    assert sorted((r.source, tuple(r.entity_types)) for r in rows) == [
+    call_command("migrate", "governance", "0018", verbosity=0)
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        cur.execute("SELECT source, entity_types, hashes FROM governance_subjectindex "
+                    "WHERE trajectory_id = %s ORDER BY source, id", [traj.pk])
+        rows = [(source, tuple(types), [bytes(x).hex() for x in hashes])
+                for source, types, hashes in cur.fetchall()]
+    assert sorted((source, types) for source, types, _ in rows) == [
         ("header", ("SUBJECT_HEADER",)), ("scan", ("ERASURE_SCAN",)),
         ("scan", ("ERASURE_SCAN",)), ("step", ("EMAIL_ADDRESS", "PHONE_NUMBER"))]
-    step_row = next(r for r in rows if r.source == "step")
-    assert step_row.hex_hashes() == [h[1], h[2]]
+    assert next(hx for source, _, hx in rows if source == "step") == [h[1], h[2]]
     call_command("migrate", "governance", "0017", verbosity=0)
     with connection.cursor() as cur:
         cur.execute("SELECT set_config('steward.system', 'on', false)")
@@ -128,6 +134,73 @@ def test_migration_0018_packs_and_unpacks_rows_of_the_old_layout(tenant, agent,
         back = set(cur.fetchall())
     assert back == old_rows
     call_command("migrate", "governance", verbosity=0)
+
+
+def test_migration_0023_keys_rows_by_128_bits_and_reverses_only_when_told(
+        tenant, agent, transactional_db, monkeypatch):
+    """Rows of the bytea[] layout (0022: 32-byte hashes, parallel entity types) get the first
+    128 bits of each hash as a uuid key, which erasure's lookup then finds; the reverse refuses
+    while rows exist (the previous release's 256-bit lookups would miss them), and with the
+    loss accepted gives back bytea[] keys and entity types that the next upgrade keys again."""
+    from governance.erasure import _find_trajectories
+
+    monkeypatch.delenv("STEWARD_MIGRATION_ACCEPT_LOSS", raising=False)
+    now = timezone.now()
+    traj = Trajectory.objects.create(tenant=tenant, agent=agent, started_at=now,
+                                     last_step_at=now)
+    call_command("migrate", "governance", "0022", verbosity=0)
+    ia_id = _old_interaction(tenant.pk, agent.pk, traj.pk)
+    email = subject_hash(tenant.pk, normalize_identifier("EMAIL_ADDRESS", "ana@example.com"))
+    phone = subject_hash(tenant.pk, normalize_identifier("PHONE_NUMBER", "+1 415 555 0199"))
+    header = subject_hash(tenant.pk, "ana")
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        for source, types, hx in (("step", ["EMAIL_ADDRESS", "PHONE_NUMBER"], [email, phone]),
+                                  ("header", ["SUBJECT_HEADER"], [header]),
+                                  ("scan", [], [])):
+            cur.execute(
+                "INSERT INTO governance_subjectindex (tenant_id, trajectory_id, "
+                "interaction_id, source, entity_types, hashes, created_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s::bytea[], now())",
+                [tenant.pk, traj.pk, ia_id if source != "scan" else None, source, types,
+                 [bytes.fromhex(x) for x in hx]])
+    call_command("migrate", "governance", verbosity=0)
+
+    with tenant_context(tenant):
+        keyed = {r.source: r.hashes for r in SubjectIndex.objects.filter(trajectory=traj)}
+        with connection.cursor() as cursor:
+            for subject in ("ana@example.com", "+1 415 555 0199"):
+                assert _find_trajectories(cursor, tenant.pk, lookup_hashes(tenant.pk, subject),
+                                          10) == [str(traj.pk)], subject
+    assert keyed == {"step": [uuid.UUID(email[:32]), uuid.UUID(phone[:32])],
+                     "header": [uuid.UUID(header[:32])], "scan": []}
+    assert keyed["step"] == SubjectIndex.keys([email, phone])
+
+    def column_type() -> str:
+        with connection.cursor() as cur:
+            cur.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
+                        "attrelid = 'governance_subjectindex'::regclass AND attname = 'hashes'")
+            return cur.fetchone()[0]
+
+    with pytest.raises(RuntimeError, match="STEWARD_MIGRATION_ACCEPT_LOSS"):
+        call_command("migrate", "governance", "0022", verbosity=0)
+    assert column_type() == "uuid[]"  # refused before anything changed
+
+    monkeypatch.setenv("STEWARD_MIGRATION_ACCEPT_LOSS", "subject-index-keys")
+    call_command("migrate", "governance", "0022", verbosity=0)
+    assert column_type() == "bytea[]"
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        cur.execute("SELECT source, entity_types, hashes FROM governance_subjectindex "
+                    "WHERE trajectory_id = %s", [traj.pk])
+        back = {source: (types, [bytes(x).hex() for x in hashes])
+                for source, types, hashes in cur.fetchall()}
+    assert back == {"step": (["UNKNOWN", "UNKNOWN"], [email[:32], phone[:32]]),
+                    "header": (["SUBJECT_HEADER"], [header[:32]]), "scan": ([], [])}
+    call_command("migrate", "governance", verbosity=0)
+    with tenant_context(tenant):
+        assert {r.source: r.hashes for r in SubjectIndex.objects.filter(trajectory=traj)} \
+            == keyed
 
 
 def _old_interaction(tenant_id: int, agent_id: int, traj_id) -> int:

@@ -92,9 +92,9 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
          n_steps - 1])
     cursor.execute(
         "INSERT INTO governance_subjectindex (tenant_id, trajectory_id, step_id, "
-        "interaction_id, source, entity_types, hashes, created_at) "
-        f"SELECT %s, {traj}, md5('s' || g)::uuid, %s + g, 'step', '{{EMAIL_ADDRESS}}', "
-        "ARRAY[decode(md5('h' || g) || md5('i' || g), 'hex')], now() "
+        "interaction_id, source, hashes, created_at) "
+        f"SELECT %s, {traj}, md5('s' || g)::uuid, %s + g, 'step', "
+        "ARRAY[md5('h' || g)::uuid], now() "
         f"FROM generate_series(0, %s, {STEPS_PER_TRAJECTORY}) g",
         [tenant_id, first_ia, n_steps - 1])
     cursor.execute(
@@ -109,10 +109,10 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
     cursor.execute("UPDATE governance_interaction SET subject_hash = %s WHERE trajectory_id IN "
                    "(SELECT md5('t' || g)::uuid FROM generate_series(0, %s) g)",
                    [subject_hash, k - 1])
-    cursor.execute("UPDATE governance_subjectindex SET hashes = ARRAY[decode(%s, 'hex')] "
+    cursor.execute("UPDATE governance_subjectindex SET hashes = ARRAY[%s::uuid] "
                    "WHERE trajectory_id IN "
                    "(SELECT md5('t' || g)::uuid FROM generate_series(%s, %s) g)",
-                   [index_hash, k, subject_trajs - 1])
+                   [index_hash[:32], k, subject_trajs - 1])
     cursor.execute(
         "INSERT INTO governance_reward (tenant_id, trajectory_id, response_id, name, value, "
         "final, source, comment, created_at) SELECT %s, NULL, 'chatcmpl-' || g, 'reward', "
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         with tenant_context(tenant), connection.cursor() as cursor:
             cursor.execute(
                 "EXPLAIN SELECT trajectory_id FROM governance_subjectindex "
-                "WHERE tenant_id = %s AND hashes && %s::bytea[]",
+                "WHERE tenant_id = %s AND hashes && %s::uuid[]",
                 [tenant.pk, SubjectIndex.keys(lookup_hashes(tenant.pk, SUBJECT))])
             plan_index = "\n".join(r[0] for r in cursor.fetchall())
             cursor.execute(
