@@ -247,7 +247,11 @@ class Interaction(models.Model):
     # varchar_pattern_ops twins (nothing runs LIKE on these columns; migration 0022).
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="interactions",
                                db_index=False)
-    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="interactions")
+    # No agent or data-key index (migration 0024, decision 38): nothing looks interactions up
+    # by either; the foreign keys' own checks run only when an agent or a data key row is
+    # deleted, which Steward never does (keys are shredded in place; agents are kept).
+    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="interactions",
+                              db_index=False)
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
                                    related_name="interactions")
     step_id = models.UUIDField(unique=True)
@@ -265,14 +269,16 @@ class Interaction(models.Model):
     first_byte_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
     data_key = models.ForeignKey(DataKey, null=True, on_delete=models.SET_NULL,
-                                 related_name="interactions")
+                                 related_name="interactions", db_index=False)
     raw_ciphertext = models.BinaryField(null=True)
     # The flow whose request body this payload's is a delta of (capture/rawstore.py: the
     # previous call of the trajectory under the same data key); "" for a whole payload.
-    raw_base_flow = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    # Looked up within the doomed flows' trajectories (rawstore.rebase_dependents): no index.
+    raw_base_flow = models.CharField(max_length=64, blank=True, default="")
     raw_expires_at = models.DateTimeField(null=True, blank=True)
-    state = models.CharField(max_length=16, choices=State.choices, default=State.CAPTURED,
-                             db_index=True)
+    # Indexed only while not processed (interaction_unbuilt): the sweeper, the backlog and
+    # erasure's scan look for captured and quarantined calls, never for processed ones.
+    state = models.CharField(max_length=16, choices=State.choices, default=State.CAPTURED)
     state_reason = models.TextField(blank=True, default="")
     proxy_instance = models.CharField(max_length=128, blank=True, default="")
     shipped_at = models.DateTimeField(auto_now_add=True)
@@ -281,7 +287,9 @@ class Interaction(models.Model):
 
     class Meta:
         # The console's overview buckets the last 24 hours of calls per agent.
-        indexes = [models.Index(fields=["tenant", "started_at"], name="ia_tenant_started")]
+        indexes = [models.Index(fields=["tenant", "started_at"], name="ia_tenant_started"),
+                   models.Index(fields=["state"], name="interaction_unbuilt",
+                                condition=~models.Q(state="processed"))]
 
 
 class Step(models.Model):

@@ -361,7 +361,8 @@ def _release_month(tenant_id: int, month: Month) -> tuple[dict[str, int], set]:
     parents = list(Step.objects.filter(parent_step__in=steps.values("pk")).exclude(_in(month))
                    .values_list("parent_step", flat=True).distinct())
     reroot_children(parents)
-    bases = list(Interaction.objects.filter(raw_base_flow__in=interactions.values("flow_id"),
+    bases = list(Interaction.objects.filter(trajectory_id__in=interactions.values("trajectory_id"),
+                                            raw_base_flow__in=interactions.values("flow_id"),
                                             raw_ciphertext__isnull=False)
                  .exclude(_in(month)).values_list("raw_base_flow", flat=True).distinct())
     rebase_dependents(bases)

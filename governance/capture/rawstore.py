@@ -347,7 +347,11 @@ def rebase_dependents(flow_ids: list[str]) -> int:
     doomed = set(flow_ids)
     if not doomed:
         return 0
-    dependents = list(Interaction.objects.filter(raw_base_flow__in=doomed,
+    # A delta's base is an earlier call of its own trajectory: look within the doomed flows'
+    # trajectories (their index), not the whole table (raw_base_flow has none: decision 38).
+    trajectories = Interaction.objects.filter(flow_id__in=doomed).values("trajectory_id")
+    dependents = list(Interaction.objects.filter(trajectory_id__in=trajectories,
+                                                 raw_base_flow__in=doomed,
                                                  raw_ciphertext__isnull=False)
                       .exclude(flow_id__in=doomed).select_related("data_key"))
     bodies: dict[str, bytes] = {}
