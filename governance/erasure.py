@@ -96,6 +96,7 @@ from governance.models import (
     SubjectIndex,
     SuppressedSubject,
     Tenant,
+    subject_keys_operator,
 )
 from governance.tenancy import tenant_atomic, tenant_context
 
@@ -589,7 +590,7 @@ def _find_trajectories(cursor: Any, tenant_id: int, hashes: list[str], limit: in
         f"UNION SELECT trajectory_id FROM {_table('Interaction')} WHERE tenant_id = %s "
         "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
         f"UNION SELECT trajectory_id FROM {_table('SubjectIndex')} WHERE tenant_id = %s "
-        "AND hashes && %s::uuid[]) AS s LIMIT %s",
+        f"AND hashes {subject_keys_operator()} %s::uuid[]) AS s LIMIT %s",
         [tenant_id, hashes, tenant_id, hashes, tenant_id, SubjectIndex.keys(hashes), limit])
     return [row[0] for row in cursor.fetchall()]
 
@@ -793,7 +794,7 @@ def post_condition(tenant_id: int, hashes: list[str]) -> dict[str, int]:
             f"(SELECT count(*) FROM {_table('Interaction')} "
             "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> ''), "
             f"(SELECT count(*) FROM {_table('SubjectIndex')} "
-            "WHERE tenant_id = %s AND hashes && %s::uuid[]), "
+            f"WHERE tenant_id = %s AND hashes {subject_keys_operator()} %s::uuid[]), "
             f"(SELECT count(*) FROM {_table('DataKey')} WHERE tenant_id = %s "
             "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
             "AND wrapped_key IS NOT NULL), "

@@ -9,18 +9,23 @@ side).
 
 from __future__ import annotations
 
+import logging
 import uuid
 import zlib
 from collections.abc import Iterable
+from typing import Any
 
 import orjson
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import GinIndex
 from django.db import models
+from django.db.models import Lookup
 
 # The scoped manager of every tenant model: it filters by the current tenant scope itself.
 from governance.tenancy import TenantManager, TenantQuerySet  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 
 class Role(models.TextChoices):
@@ -557,6 +562,47 @@ class SubjectIndex(models.Model):
                     continue
                 out.append(uuid.UUID(h[:32]))
         return out
+
+
+# The leakproof overlap operator of migration 0025: usable as an index condition under
+# row-level security, where `&&` is not (see that migration).
+KEYS_OPCLASS = "steward_uuid_keys_ops"
+_warned_full_scan: list[bool] = []
+
+
+def subject_keys_operator(connection: Any = None) -> str:
+    """The operator that tests subject-index keys for overlap: `&&&` when subjectindex_hashes
+    is built with the leakproof operator class (migration 0025, run by a superuser), else `&&`
+    (the same answer, but read by a full scan under row-level security; logged once). One
+    catalog query, not cached: migrations can change the index in a running process."""
+    from django.db import connection as default
+
+    with (connection or default).cursor() as cur:
+        cur.execute("SELECT o.opcname FROM pg_index i JOIN pg_opclass o "
+                    "ON o.oid = i.indclass[0] "
+                    "WHERE i.indexrelid = to_regclass('subjectindex_hashes')")
+        row = cur.fetchone()
+    if row and row[0] == KEYS_OPCLASS:
+        return "&&&"
+    if not _warned_full_scan:
+        _warned_full_scan.append(True)
+        log.warning("subject index: no leakproof key operator (migration 0025 needs a "
+                    "superuser): subject lookups scan the whole index under row-level security")
+    return "&&"
+
+
+@ArrayField.register_lookup
+class KeysOverlap(Lookup):
+    """`hashes__keys_overlap=SubjectIndex.keys(...)`: Django's `__overlap` with the operator
+    that can use the GIN index under row-level security (subject_keys_operator)."""
+
+    lookup_name = "keys_overlap"
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, list]:
+        lhs, lhs_params = self.process_lhs(compiler, connection)
+        rhs, rhs_params = self.process_rhs(compiler, connection)
+        operator = subject_keys_operator(connection)
+        return f"{lhs} {operator} ({rhs})::uuid[]", [*lhs_params, *rhs_params]
 
 
 class Reward(models.Model):

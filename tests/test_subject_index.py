@@ -216,3 +216,49 @@ def _old_interaction(tenant_id: int, agent_id: int, traj_id) -> int:
             "'train', now(), '', 'processed', '', '', now()) RETURNING id",
             [uuid.uuid4().hex, tenant_id, agent_id, traj_id, uuid.uuid4()])
         return cur.fetchone()[0]
+
+
+def _plan(sql: str, params: list) -> str:
+    with connection.cursor() as cur:
+        cur.execute("SET LOCAL enable_seqscan = off")
+        cur.execute("EXPLAIN " + sql, params)
+        return "\n".join(r[0] for r in cur.fetchall())
+
+
+def test_lookups_use_the_gin_index_under_row_level_security(tenant, agent, tmp_path,
+                                                            transactional_db):
+    """Decision 38, migration 0025: under the services' role (forced row-level security) a
+    non-leakproof `&&` can never be an index condition — every lookup read the whole subject
+    index — while the leakproof `&&&` uses subjectindex_hashes. Migrated back to 0024 (or by
+    a role that may not declare LEAKPROOF) the lookups fall back to `&&` with the same answers."""
+    from governance.erasure import _find_trajectories
+    from governance.models import subject_keys_operator
+
+    traj = str(uuid.uuid4())
+    ship_and_build(tmp_path, customer_session(tenant.pk, agent.pk, traj))
+    keys = SubjectIndex.keys(lookup_hashes(tenant.pk, "dana.white@example.net"))
+    sql = "SELECT trajectory_id FROM governance_subjectindex WHERE tenant_id = %s AND hashes {} %s"
+    assert subject_keys_operator() == "&&&"
+    with tenant_context(tenant):
+        fast = _plan(sql.format("&&&"), [tenant.pk, keys])
+    with tenant_context(tenant):
+        slow = _plan(sql.format("&&"), [tenant.pk, keys])
+    assert "subjectindex_hashes" in fast and "Seq Scan" not in fast, fast
+    assert "Seq Scan" in slow, slow  # the policy's condition first, the leaky one after it
+
+    def found() -> tuple[list[str], list[str]]:
+        with tenant_context(tenant), connection.cursor() as cursor:
+            by_sql = _find_trajectories(cursor, tenant.pk,
+                                        lookup_hashes(tenant.pk, "dana.white@example.net"), 10)
+            by_orm = [str(t) for t in SubjectIndex.objects.filter(
+                hashes__keys_overlap=keys).values_list("trajectory_id", flat=True)]
+        return by_sql, by_orm
+
+    assert found() == ([traj], [traj])
+    call_command("migrate", "governance", "0024", verbosity=0)
+    try:
+        assert subject_keys_operator() == "&&"
+        assert found() == ([traj], [traj])
+    finally:
+        call_command("migrate", "governance", verbosity=0)
+    assert subject_keys_operator() == "&&&"

@@ -176,7 +176,7 @@ def filtered(tenant: Any, data: dict[str, Any]) -> QuerySet:
     hashes = data.get("subject_ref") or []
     if hashes:
         by_content = SubjectIndex.objects.for_tenant(tenant) \
-            .filter(hashes__overlap=SubjectIndex.keys(hashes)).values("trajectory_id")
+            .filter(hashes__keys_overlap=SubjectIndex.keys(hashes)).values("trajectory_id")
         qs = qs.filter(Q(subject_hash__in=hashes) | Q(pk__in=by_content))
     if data.get("started_after"):
         qs = qs.filter(started_at__gte=data["started_after"])

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             DatasetVersion,
             ErasureRequest,
             SubjectIndex,
+            subject_keys_operator,
         )
         from governance.sanitizer import normalize_identifier
         from governance.tenancy import (
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         with tenant_context(tenant), connection.cursor() as cursor:
             cursor.execute(
                 "EXPLAIN SELECT trajectory_id FROM governance_subjectindex "
-                "WHERE tenant_id = %s AND hashes && %s::uuid[]",
+                f"WHERE tenant_id = %s AND hashes {subject_keys_operator()} %s::uuid[]",
                 [tenant.pk, SubjectIndex.keys(lookup_hashes(tenant.pk, SUBJECT))])
             plan_index = "\n".join(r[0] for r in cursor.fetchall())
             cursor.execute(
