@@ -18,6 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
+from governance.subject_keys import CREATE_SQL
+
 DATABASE_NAME = "steward"
 PGSERVER_SYSTEM_USER = "pgserver"
 
@@ -129,6 +131,8 @@ def embedded_database_urls(var_dir: Path) -> tuple[str, str]:
                             f"WHERE datname = '{DATABASE_NAME}';")
         if OWNER_ROLE not in owner:
             _psql(server, _OWNERSHIP_SQL, DATABASE_NAME)
+        # What only a superuser may create, before the owner role migrates (decision 38).
+        _psql(server, CREATE_SQL, DATABASE_NAME)
     uri = server.get_uri(DATABASE_NAME)
     return _role_uri(uri, APP_ROLE), _role_uri(uri, OWNER_ROLE)
 

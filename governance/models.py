@@ -23,6 +23,7 @@ from django.db import models
 from django.db.models import Lookup
 
 # The scoped manager of every tenant model: it filters by the current tenant scope itself.
+from governance.subject_keys import OPCLASS
 from governance.tenancy import TenantManager, TenantQuerySet  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -564,15 +565,13 @@ class SubjectIndex(models.Model):
         return out
 
 
-# The leakproof overlap operator of migration 0025: usable as an index condition under
-# row-level security, where `&&` is not (see that migration).
-KEYS_OPCLASS = "steward_uuid_keys_ops"
-_warned_full_scan: list[bool] = []
+# Whether the fallback to `&&` was logged (once per process).
+_warned_full_scan = False
 
 
 def subject_keys_operator(connection: Any = None) -> str:
     """The operator that tests subject-index keys for overlap: `&&&` when subjectindex_hashes
-    is built with the leakproof operator class (migration 0025, run by a superuser), else `&&`
+    is built with the leakproof operator class (governance/subject_keys.py), else `&&`
     (the same answer, but read by a full scan under row-level security; logged once). One
     catalog query, not cached: migrations can change the index in a running process."""
     from django.db import connection as default
@@ -582,12 +581,14 @@ def subject_keys_operator(connection: Any = None) -> str:
                     "ON o.oid = i.indclass[0] "
                     "WHERE i.indexrelid = to_regclass('subjectindex_hashes')")
         row = cur.fetchone()
-    if row and row[0] == KEYS_OPCLASS:
+    if row and row[0] == OPCLASS:
         return "&&&"
+    global _warned_full_scan
     if not _warned_full_scan:
-        _warned_full_scan.append(True)
-        log.warning("subject index: no leakproof key operator (migration 0025 needs a "
-                    "superuser): subject lookups scan the whole index under row-level security")
+        _warned_full_scan = True
+        log.warning("subject index: no leakproof key operator class (governance/subject_keys.py "
+                    "needs a superuser): subject lookups scan the whole index under row-level "
+                    "security")
     return "&&"
 
 

@@ -229,6 +229,21 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
             login = httpx.get(f"{console}login/", timeout=10)
             assert login.status_code == 200
 
+        # Subject lookups can use their index under row-level security: the leakproof key
+        # operator class exists (made by the embedded set-up as its superuser, or by migration
+        # 0025 run as one) and the index is built with it (decision 38).
+        if database_url is None:
+            from config.embedded import embedded_database_urls
+
+            dsn = embedded_database_urls(var)[1]
+        else:
+            dsn = database_url
+        with psycopg.connect(dsn) as conn:
+            opclass = conn.execute(
+                "SELECT o.opcname FROM pg_index i JOIN pg_opclass o ON o.oid = i.indclass[0] "
+                "WHERE i.indexrelid = 'subjectindex_hashes'::regclass").fetchone()
+        assert opclass == ("steward_uuid_keys_ops",), opclass
+
         run_info = json.loads((var / "run" / "up.json").read_text())
         names = {c["name"] for c in run_info["children"]}
         assert names == {"upstream", "web", "proxy", "shipper", "worker", "gpu-worker", "beat"}
