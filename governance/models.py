@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-import zlib
 from collections.abc import Iterable
 from typing import Any
 
-import orjson
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import GinIndex
@@ -207,9 +205,9 @@ class PlaceholderDelta(models.Model):
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
                                    related_name="placeholder_deltas", db_index=False)
     seq = models.PositiveIntegerField()
-    # The delta ({"v", "labels", "aliases", "counters"}) as zlib over its JSON: the labels'
-    # keys are hex HMACs, which PostgreSQL's own compression (pglz: no entropy coding) leaves
-    # as they are and zlib halves — ~40 labels a call in PII-dense sessions (decision 37).
+    # The delta ({"v", "labels", "aliases", "counters"}) in binary (capture/delta_codec.py,
+    # decision 39): 64-bit keys as 8 bytes, labels as (type, number) — ~10 bytes an entry
+    # against ~23 for the zlib'd JSON of format 1 (decision 37), which still reads.
     data = models.BinaryField()
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -222,11 +220,15 @@ class PlaceholderDelta(models.Model):
 
     @staticmethod
     def pack(delta: dict) -> bytes:
-        return zlib.compress(orjson.dumps(delta), 6)
+        from governance.capture.delta_codec import pack
+
+        return pack(delta)
 
     @staticmethod
     def unpack(data: bytes | memoryview) -> dict:
-        return orjson.loads(zlib.decompress(bytes(data)))
+        from governance.capture.delta_codec import unpack
+
+        return unpack(data)
 
     def delta(self) -> dict:
         """The delta this row holds (what `pack` packed)."""

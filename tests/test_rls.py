@@ -200,7 +200,7 @@ def world(tenant, other_tenant, make_member):
                                         sanitizer_version="test-1", content={"role": "user"})
         PlaceholderDelta.objects.create(tenant=t, trajectory=traj, seq=1,
                                         data=PlaceholderDelta.pack(
-                                            {"labels": {"k": "PERSON_1"}}))
+                                            {"labels": {"0123456789abcdef": "PERSON_1"}}))
         add_findings(t, step, ["EMAIL_ADDRESS"], path="$.x")
         SubjectIndex.objects.create(tenant=t, trajectory=traj, step=step,
                                     interaction=step.interaction, source="step",

@@ -150,9 +150,14 @@ class PlaceholderState:
     """Numbering of placeholders within one trajectory: the same value is the same `<PERSON_1>`
     in every step. Stored as JSON keyed by an HMAC of the value (under the tenant's secret) —
     never the value itself. `aliases` maps name parts (first name, surname) to the label of the
-    full name so a later step that says only "Garcia" still gets `<PERSON_1>`."""
+    full name so a later step that says only "Garcia" still gets `<PERSON_1>`.
 
-    VERSION = 1
+    Keys are the HMAC's first 64 bits (KEY_HEX hex digits; why 64 is enough:
+    governance/capture/delta_codec.py). States and deltas written with 128-bit keys read as
+    their first 64 bits, so a trajectory's numbering goes on across the change."""
+
+    VERSION = 2
+    KEY_HEX = 16
 
     def __init__(self) -> None:
         self.counters: dict[str, int] = {}
@@ -160,12 +165,12 @@ class PlaceholderState:
         self.aliases: dict[str, str] = {}
 
     def label(self, entity_type: str, normalized: str, secret: bytes) -> str:
-        key = _mac(secret, "ph:" + entity_type, normalized)[:32]
+        key = _mac(secret, "ph:" + entity_type, normalized)[:self.KEY_HEX]
         found = self.labels.get(key)
         if found is None:
             if entity_type == "PERSON":
                 # A name part already seen as a longer name: the same person.
-                found = self.aliases.get(_mac(secret, "alias", normalized)[:32])
+                found = self.aliases.get(_mac(secret, "alias", normalized)[:self.KEY_HEX])
             if found is None:
                 n = self.counters.get(entity_type, 0) + 1
                 self.counters[entity_type] = n
@@ -179,12 +184,13 @@ class PlaceholderState:
             # "Terence Vassiliev's": the later "Vassiliev" is the same person.
             part = part.strip(".,").removesuffix("'s").removesuffix("’s")
             if len(part) >= 3 and part not in _COMMON_WORDS:
-                self.aliases.setdefault(_mac(secret, "alias", part)[:32], label)
+                self.aliases.setdefault(_mac(secret, "alias", part)[:self.KEY_HEX], label)
 
     def alias_label(self, candidate: str, secret: bytes) -> str | None:
         if not self.aliases:
             return None
-        return self.aliases.get(_mac(secret, "alias", _normalize("PERSON", candidate))[:32])
+        return self.aliases.get(
+            _mac(secret, "alias", _normalize("PERSON", candidate))[:self.KEY_HEX])
 
     def to_json(self) -> dict[str, Any]:
         return {"v": self.VERSION, "counters": dict(self.counters), "labels": dict(self.labels),
@@ -198,8 +204,8 @@ class PlaceholderState:
         if isinstance(data, str):
             data = json.loads(data)
         state.counters = dict(data.get("counters", {}))
-        state.labels = dict(data.get("labels", {}))
-        state.aliases = dict(data.get("aliases", {}))
+        state.labels = {k[:cls.KEY_HEX]: v for k, v in (data.get("labels") or {}).items()}
+        state.aliases = {k[:cls.KEY_HEX]: v for k, v in (data.get("aliases") or {}).items()}
         return state
 
 
