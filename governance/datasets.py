@@ -126,8 +126,8 @@ def eligible_trajectories(dataset: Dataset) -> QuerySet:
     bad_step = steps.filter(
         ~Q(training_eligible=True) | Q(sanitizer_version="") | ~Q(consent=Consent.TRAIN)
         | ~Q(classification__in=allowed))
-    not_built = Interaction.objects.filter(trajectory_id=OuterRef("pk")).exclude(
-        state=Interaction.State.PROCESSED)
+    not_built = Interaction.objects.filter(trajectory_id=OuterRef("pk"),
+                                           pending__isnull=False)
     qs = (Trajectory.objects.for_tenant(tenant_id)
           .filter(consent=Consent.TRAIN)
           .filter(Exists(steps))

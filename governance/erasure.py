@@ -491,7 +491,7 @@ def _never_indexed(tenant_id: int, after: int) -> list[Interaction]:
         Interaction.objects.for_tenant(tenant_id).select_related("data_key")
         .filter(pk__gt=after, raw_ciphertext__isnull=False, data_key__isnull=False,
                 data_key__destroyed_at__isnull=True)
-        .filter(Q(state__in=[Interaction.State.CAPTURED, Interaction.State.QUARANTINED])
+        .filter(Q(pending__isnull=False)  # captured or quarantined: not built
                 | Q(step__metadata__has_key=UNSCANNED_KEY))
         .order_by("pk")[:SCAN_BATCH])
 
@@ -713,6 +713,9 @@ def _delete_batch(req: ErasureRequest) -> bool:
         counts["dataset_memberships"] = cursor.rowcount
         cursor.execute(
             f"DELETE FROM {_table('PlaceholderDelta')} "  # noqa: S608
+            "WHERE trajectory_id = ANY(%s::uuid[])", p)
+        cursor.execute(
+            f"DELETE FROM {_table('PendingInteraction')} "  # noqa: S608
             "WHERE trajectory_id = ANY(%s::uuid[])", p)
         cursor.execute(
             f"DELETE FROM {_table('Trajectory')} WHERE id = ANY(%s::uuid[])", p)  # noqa: S608

@@ -17,6 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import GinIndex
+from django.core.exceptions import ObjectDoesNotExist
 from django.db import models
 from django.db.models import Lookup
 
@@ -284,10 +285,9 @@ class Interaction(models.Model):
     # Looked up within the doomed flows' trajectories (rawstore.rebase_dependents): no index.
     raw_base_flow = models.CharField(max_length=64, blank=True, default="")
     raw_expires_at = models.DateTimeField(null=True, blank=True)
-    # Indexed only while not processed (interaction_unbuilt): the sweeper, the backlog and
-    # erasure's scan look for captured and quarantined calls, never for processed ones.
-    state = models.CharField(max_length=16, choices=State.choices, default=State.CAPTURED)
-    state_reason = models.TextField(blank=True, default="")
+    # No state column: a call not built yet or quarantined has a PendingInteraction row
+    # (`state` below reads it); building the step deletes that row rather than updating this
+    # one (decision 39).
     proxy_instance = models.CharField(max_length=128, blank=True, default="")
     shipped_at = models.DateTimeField(auto_now_add=True)
 
@@ -295,9 +295,61 @@ class Interaction(models.Model):
 
     class Meta:
         # The console's overview buckets the last 24 hours of calls per agent.
-        indexes = [models.Index(fields=["tenant", "started_at"], name="ia_tenant_started"),
-                   models.Index(fields=["state"], name="interaction_unbuilt",
-                                condition=~models.Q(state="processed"))]
+        indexes = [models.Index(fields=["tenant", "started_at"], name="ia_tenant_started")]
+
+    @property
+    def state(self) -> str:
+        """captured, quarantined (its PendingInteraction row's state) or processed (none)."""
+        pending = self._pending()
+        return pending.state if pending is not None else self.State.PROCESSED
+
+    @property
+    def state_reason(self) -> str:
+        pending = self._pending()
+        return pending.reason if pending is not None else ""
+
+    def _pending(self) -> PendingInteraction | None:
+        try:
+            return self.pending
+        except ObjectDoesNotExist:
+            return None
+
+
+class PendingInteraction(models.Model):
+    """A shipped call whose step is not built: `captured` (the step builder has not taken it
+    yet) or `quarantined` (refused; `reason` says why). A built call has no row here, and reads
+    as processed (Interaction.state).
+
+    Why a table of its own: building a step used to update the interaction's state, and an
+    update writes a new version of the whole row — with every index entry again, and with a
+    raw payload small enough to be kept inline — ~0.4 KB a captured call (decision 39).
+    Deleting this small row instead leaves the interaction as it was inserted. Looked up by
+    interaction (the primary key), by tenant and state (the claim's coalescing, the backlog,
+    the sweeper with the interaction's shipped_at); deleted with its interaction (the
+    collector, and explicitly where erasure and retention delete interactions with SQL)."""
+
+    class State(models.TextChoices):
+        CAPTURED = "captured", "Captured, step not built yet"
+        QUARANTINED = "quarantined", "Quarantined (processing failed)"
+
+    # No constraint into the partitioned interactions table (its key is (id, started_at)).
+    interaction = models.OneToOneField(Interaction, primary_key=True, on_delete=models.CASCADE,
+                                       related_name="pending", db_constraint=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+",
+                               db_index=False)
+    # The interaction's: erasure deletes by trajectory, retention by month (no index: the
+    # table holds only what is unbuilt or quarantined).
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, related_name="+",
+                                   db_index=False)
+    started_at = models.DateTimeField()
+    state = models.CharField(max_length=16, choices=State.choices, default=State.CAPTURED)
+    reason = models.TextField(blank=True, default="")
+
+    objects = TenantManager()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "state", "interaction"],
+                                name="pending_tenant_state")]
 
 
 class Step(models.Model):

@@ -53,6 +53,7 @@ from governance.models import (
     DeadLetter,
     Finding,
     Interaction,
+    PendingInteraction,
     RetentionPolicy,
     Reward,
     Step,
@@ -370,10 +371,12 @@ def _release_month(tenant_id: int, month: Month) -> tuple[dict[str, int], set]:
     later = Finding.objects.filter(created_at__gte=month.end, step_id__in=steps.values("pk"))
     counts["findings"] += later.aggregate(n=Coalesce(Sum("total"), 0))["n"]
     later.delete()
-    # Not partitioned: the subject index rows of these steps and interactions.
+    # Not partitioned: the subject index rows of these steps and interactions, and the
+    # pending rows of its calls never built (quarantined or waiting; same month key).
     counts["subject_index"] = SubjectIndex.objects.filter(
         Q(step_id__in=steps.values("pk")) | Q(interaction_id__in=interactions.values("pk"))
     ).delete()[0]
+    PendingInteraction.objects.filter(_in(month)).delete()
     return counts, traj_ids
 
 

@@ -79,6 +79,7 @@ from governance.models import (
     ConversationItem,
     Finding,
     Interaction,
+    PendingInteraction,
     Step,
     SubjectIndex,
     Tenant,
@@ -149,9 +150,15 @@ BATCH_MAX = 64
 
 
 def _quarantine(ia: Interaction, reason: str) -> None:
-    ia.state = Interaction.State.QUARANTINED
-    ia.state_reason = reason[:2000]
-    ia.save(update_fields=["state", "state_reason"])
+    reason = reason[:2000]
+    quarantined = PendingInteraction.State.QUARANTINED
+    if not PendingInteraction.objects.filter(interaction_id=ia.pk).update(state=quarantined,
+                                                                          reason=reason):
+        PendingInteraction.objects.create(
+            interaction_id=ia.pk, tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
+            started_at=ia.started_at, state=quarantined,
+            reason=reason)
+    ia._state.fields_cache.pop("pending", None)  # so that ia.state reads the row again
     log.warning("capture: tenant %s: interaction %s (flow %s) quarantined: %s", ia.tenant_id,
                 ia.pk, ia.flow_id, reason)
 
@@ -302,8 +309,9 @@ def _write(writes: list[_StepWrite]) -> None:
     Finding.objects.bulk_create([f for w in writes for f in w.findings], batch_size=1000)
     SubjectIndex.objects.bulk_create([r for w in writes for r in w.index_rows],
                                      batch_size=1000, ignore_conflicts=True)
-    Interaction.objects.filter(pk__in=[w.interaction.pk for w in writes]).update(
-        state=Interaction.State.PROCESSED, state_reason="")
+    # Built: no longer pending (decision 39: a delete here, not an update of the interaction).
+    PendingInteraction.objects.filter(
+        interaction_id__in=[w.interaction.pk for w in writes]).delete()
 
 
 def _store_steps(writes: list[_StepWrite]
@@ -503,16 +511,22 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
     done: dict[str, list[int]] = {"built": [], "quarantined": [], "skipped": [],
                                   "coalesced": []}
     with tenant_context(tenant_id):
-        base = (Interaction.objects.for_tenant(tenant_id)
-                .select_for_update(skip_locked=True, of=("self",)).select_related("data_key")
-                .filter(state=Interaction.State.CAPTURED))
-        claimed = list(base.filter(pk__in=pks)[:len(pks)])
-        claimed_ids = {ia.pk for ia in claimed}
+        # Claimed by locking their PendingInteraction rows: a worker that built a call
+        # deleted its row, so another worker's claim skips it whether it is still locked
+        # (skip_locked) or already gone (PostgreSQL re-checks a row deleted meanwhile).
+        waiting = (PendingInteraction.objects.for_tenant(tenant_id)
+                   .select_for_update(skip_locked=True)
+                   .filter(state=PendingInteraction.State.CAPTURED)
+                   .values_list("interaction_id", flat=True))
+        claimed_ids = set(waiting.filter(interaction_id__in=pks)[:len(pks)])
         done["skipped"] = [pk for pk in pks if pk not in claimed_ids]
-        if claimed and coalesce and len(claimed) < BATCH_MAX:
-            claimed += list(base.exclude(pk__in=pks).order_by("pk")[:BATCH_MAX - len(claimed)])
-        if not claimed:
+        if claimed_ids and coalesce and len(claimed_ids) < BATCH_MAX:
+            claimed_ids |= set(waiting.exclude(interaction_id__in=pks)
+                               .order_by("interaction_id")[:BATCH_MAX - len(claimed_ids)])
+        if not claimed_ids:
             return done
+        claimed = list(Interaction.objects.for_tenant(tenant_id).select_related("data_key")
+                       .filter(pk__in=claimed_ids))
         claimed.sort(key=lambda ia: (ia.started_at, ia.pk))
         requested = set(pks)
         tenant = Tenant.objects.get(pk=tenant_id)
@@ -672,9 +686,10 @@ def build_pending_steps() -> int:
         if total >= PENDING_MAX:
             break
         with tenant_context(tenant_id):
-            ids = list(Interaction.objects.filter(state=Interaction.State.CAPTURED,
-                                                  shipped_at__lt=cutoff)
-                       .order_by("pk").values_list("pk", flat=True)[:PENDING_MAX - total])
+            ids = list(PendingInteraction.objects.filter(
+                state=PendingInteraction.State.CAPTURED, interaction__shipped_at__lt=cutoff)
+                .order_by("interaction_id")
+                .values_list("interaction_id", flat=True)[:PENDING_MAX - total])
         for i in range(0, len(ids), PENDING_BATCH):
             build_steps.delay(ids[i:i + PENDING_BATCH], tenant_id=tenant_id)
         total += len(ids)

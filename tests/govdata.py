@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from governance.models import Interaction, Step, Trajectory
+from governance.models import Interaction, PendingInteraction, Step, Trajectory
 
 
 def make_trajectory(tenant, agent, *, steps: int = 2, sanitized: bool = True,
@@ -33,9 +33,12 @@ def make_trajectory(tenant, agent, *, steps: int = 2, sanitized: bool = True,
             step_id=step_id, endpoint="chat.completions", method="POST",
             path="/v1/chat/completions", status_code=200, consent=consent, started_at=at,
             ended_at=at, raw_ciphertext=raw, raw_expires_at=raw_expires_at,
-            state=state if i == 0 else "processed", subject_hash=subject_hash)
-        if ia.state != "processed":
-            continue  # a quarantined (or not yet built) interaction has no step
+            subject_hash=subject_hash)
+        if i == 0 and state != "processed":
+            # A quarantined (or not yet built) interaction has no step, and a pending row.
+            PendingInteraction.objects.create(
+                interaction=ia, tenant=tenant, trajectory=traj, started_at=at, state=state)
+            continue
         Step.objects.create(
             id=step_id, tenant=tenant, trajectory=traj, interaction=ia,
             endpoint="chat.completions", started_at=at, ended_at=at, status_code=200,

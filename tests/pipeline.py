@@ -96,7 +96,7 @@ def ship_and_build(spool_dir: Path, records: list[dict]) -> dict:
     # (pytest-django `db`) they never fire, so build what the shipper inserted directly.
     from governance.models import Interaction
 
-    ids = collected or list(Interaction.objects.filter(state="captured")
+    ids = collected or list(Interaction.objects.filter(pending__state="captured")
                             .values_list("pk", flat=True))
     if ids:
         build_steps(ids)

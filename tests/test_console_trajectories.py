@@ -22,6 +22,7 @@ from governance.models import (
     DatasetVersionMember,
     ErasureRequest,
     Interaction,
+    PendingInteraction,
     Reward,
     Step,
     SubjectIndex,
@@ -446,8 +447,8 @@ def test_detail_shows_rewards_versions_governance_and_approvals(
 
 def test_detail_lists_quarantined_calls_and_pending_ones(client, make_member, tenant, agents):
     traj = make_trajectory(tenant, agents[0], steps=2, state="quarantined")
-    Interaction.objects.filter(trajectory=traj, state="quarantined").update(
-        state_reason="sanitizer failed: ValueError")
+    PendingInteraction.objects.filter(trajectory=traj, state="quarantined").update(
+        reason="sanitizer failed: ValueError")
     client.force_login(make_member("auditor"))
     body = client.get(f"/trajectories/{traj.id}/").content.decode()
     assert "Calls without a step" in body and "sanitizer failed: ValueError" in body

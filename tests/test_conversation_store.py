@@ -324,7 +324,16 @@ def _long_session(tenant, agent, calls: int) -> tuple[str, list[dict]]:
 
 
 def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, agent, tmp_path):
-    from governance.capture.rawstore import DELTA_CHAIN_MAX, decode_body, open_raw
+    import zlib
+
+    from governance.capture.rawstore import (
+        DELTA_CHAIN_MAX,
+        RAW4_MAGIC,
+        decode_body,
+        open_raw,
+        packed_base,
+        unpack_raw,
+    )
     from governance.models import Interaction
 
     traj, records = _long_session(tenant, agent, 40)
@@ -339,6 +348,15 @@ def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, a
             assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
     deltas = [r for r in rows if r.raw_base_flow]
     assert len(deltas) >= 40 - 2 - 40 // DELTA_CHAIN_MAX - 1  # each batch starts whole
+    # Each delta is compressed against its base (format 4, decision 39) and opens only with
+    # that base's dictionary.
+    for row in deltas:
+        plaintext = _plaintext(row)
+        assert plaintext.startswith(RAW4_MAGIC) and packed_base(plaintext) == row.raw_base_flow
+    with pytest.raises(ValueError):
+        unpack_raw(_plaintext(deltas[-1]))
+    with pytest.raises(zlib.error):
+        unpack_raw(_plaintext(deltas[-1]), b"not the base")
     stored = sum(len(bytes(r.raw_ciphertext)) for r in rows)
     whole = sum(len(b) for b in sent.values())
     assert stored < whole / 4, (stored, whole)
@@ -350,9 +368,17 @@ def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, a
     left = list(Interaction.objects.filter(trajectory_id=traj, raw_ciphertext__isnull=False)
                 .select_related("data_key").order_by("started_at"))
     assert len(left) == 30 and not left[0].raw_base_flow
+    assert packed_base(_plaintext(left[0])) is None  # sealed whole again (format 3)
     with tenant_context(tenant):
         for row in left:
             assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
+
+
+def _plaintext(row) -> bytes:
+    from governance.capture.rawstore import raw_aad, unwrap
+    from wire.crypto import open_sealed
+
+    return open_sealed(unwrap(row.data_key), bytes(row.raw_ciphertext), raw_aad(row.flow_id))
 
 
 def test_a_batch_reads_the_delta_bases_of_its_calls_a_chain_level_at_a_time(

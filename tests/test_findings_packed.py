@@ -14,7 +14,7 @@ from django.db import connection
 
 from governance.capture import findings as codec
 from governance.capture.atdp import trajectory_document
-from governance.models import Finding, Interaction, Step, Trajectory
+from governance.models import Finding, PendingInteraction, Step, Trajectory
 from governance.tenancy import tenant_context
 from tests.pipeline import customer_session, ship_and_build
 
@@ -51,7 +51,7 @@ def test_codec_round_trip_keeps_order_and_cuts_long_strings():
 def test_builder_writes_one_row_per_place_and_side(tenant, agent, tmp_path):
     traj = str(uuid.uuid4())
     ship_and_build(tmp_path, customer_session(tenant.pk, agent.pk, traj))
-    assert set(Interaction.objects.values_list("state", flat=True)) == {"processed"}
+    assert not PendingInteraction.objects.exists()  # every call built
     steps = list(Step.objects.filter(trajectory_id=traj).order_by("started_at"))
     rows = list(Finding.objects.filter(step__trajectory_id=traj))
     places = [(r.step_id, r.item_id, r.side) for r in rows]

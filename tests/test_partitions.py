@@ -410,21 +410,23 @@ def test_erasure_touches_only_the_subjects_rows_in_every_month(tenant, agent, tm
 
 
 def test_interactions_are_indexed_only_for_what_is_looked_up(tenant):
-    """Decision 38 (migration 0024): no agent, data-key or delta-base index, and the state
-    index holds only unprocessed calls — what the sweeper, the backlog and erasure's scan
-    look for — and serves their lookups."""
+    """Decision 38 (migration 0024): no agent, data-key or delta-base index. Decision 39
+    (migration 0027): no state at all — what is not built yet is a PendingInteraction row,
+    looked up by tenant and state through its own index."""
     with connection.cursor() as cur:
         cur.execute("SELECT indexname, indexdef FROM pg_indexes "
                     "WHERE tablename = 'governance_interaction'")
         defs = dict(cur.fetchall())
         assert not [n for n in defs if any(c in n for c in ("agent", "data_key", "raw_base"))]
-        assert [n for n in defs if "state" in defs[n]] == ["interaction_unbuilt"]
-        assert "WHERE" in defs["interaction_unbuilt"]
-        assert "'processed'" in defs["interaction_unbuilt"]
+        assert not [n for n in defs if "state" in defs[n] and "started_at" not in defs[n]]
+        cur.execute("SELECT attname FROM pg_attribute WHERE attnum > 0 AND NOT attisdropped "
+                    "AND attrelid = 'governance_interaction'::regclass")
+        assert not {"state", "state_reason"} & {r[0] for r in cur.fetchall()}
         cur.execute("SET LOCAL enable_seqscan = off")
-        cur.execute("EXPLAIN SELECT id FROM governance_interaction WHERE state = 'captured'")
+        cur.execute("EXPLAIN SELECT interaction_id FROM governance_pendinginteraction "
+                    "WHERE tenant_id = 1 AND state = 'captured' ORDER BY interaction_id")
         plan = "\n".join(r[0] for r in cur.fetchall())
-    assert "interaction_unbuilt" in plan or "_state_idx" in plan, plan
+    assert "pending_tenant_state" in plan, plan
 
 
 # --- the migration, both ways ----------------------------------------------------------------

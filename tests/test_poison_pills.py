@@ -75,7 +75,7 @@ def test_nul_in_message_content_quarantines_that_interaction_and_builds_its_neig
     ship_once(tmp_path, enqueue=None)
     pk = Interaction.objects.get(flow_id=later["flow_id"]).pk
     assert build_steps([pk]) == {"built": 1, "quarantined": 0, "skipped": 0}
-    assert Interaction.objects.filter(state="captured").count() == 0
+    assert Interaction.objects.filter(pending__state="captured").count() == 0
 
 
 # --- item 6: a record PostgreSQL refuses ------------------------------------------------------

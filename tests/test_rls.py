@@ -51,6 +51,7 @@ from governance.models import (
     DatasetVersionMember,
     ErasureRequest,
     Interaction,
+    PendingInteraction,
     PlaceholderDelta,
     ProxyKey,
     Step,
@@ -190,6 +191,12 @@ def world(tenant, other_tenant, make_member):
         services.set_retention_policy("system:test", t, "*", steps_days=30, raw_days=7,
                                       findings_days=30, audit_days=3650)
         traj = make_trajectory(t, key.agent, steps=2, subject_hash=f"s-{t.slug}")
+        waiting = Interaction.objects.create(  # a call of it not built: a PendingInteraction
+            flow_id=uuid.uuid4().hex, tenant=t, agent=key.agent, trajectory=traj,
+            step_id=uuid.uuid4(), endpoint="chat.completions", method="POST",
+            path="/v1/chat/completions", started_at=traj.started_at)
+        PendingInteraction.objects.create(interaction=waiting, tenant=t, trajectory=traj,
+                                          started_at=waiting.started_at)
         DataKey.objects.create(tenant=t, subject_hash=f"s-{t.slug}", wrapped_key=b"x")
         ds = Dataset.objects.create(tenant=t, name="ds")
         v = DatasetVersion.objects.create(tenant=t, dataset=ds, number=1, content_hash="h")

@@ -14,7 +14,14 @@ from django.utils import timezone
 
 from governance.erasure import lookup_hashes, post_condition
 from governance.keyring import subject_hash
-from governance.models import ConversationItem, Interaction, Step, SubjectIndex, Trajectory
+from governance.models import (
+    ConversationItem,
+    Interaction,
+    PendingInteraction,
+    Step,
+    SubjectIndex,
+    Trajectory,
+)
 from governance.sanitizer import normalize_identifier
 from governance.tenancy import tenant_context
 from tests.pipeline import customer_session, ship_and_build
@@ -36,7 +43,7 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
     traj = str(uuid.uuid4())
     first, second = customer_session(tenant.pk, agent.pk, traj, subject="maria@example.com")
     ship_and_build(tmp_path, [first, second])
-    assert set(Interaction.objects.values_list("state", flat=True)) == {"processed"}
+    assert not PendingInteraction.objects.exists()  # every call built
 
     rows = list(SubjectIndex.objects.filter(trajectory_id=traj))
     by_source: dict[str, list[SubjectIndex]] = {}
@@ -84,7 +91,10 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
     # Building the same interactions again adds no row twice.
     from governance.tasks import build_steps
 
-    Interaction.objects.update(state="captured")
+    PendingInteraction.objects.bulk_create([
+        PendingInteraction(interaction=ia, tenant_id=ia.tenant_id,
+                           trajectory_id=ia.trajectory_id, started_at=ia.started_at)
+        for ia in Interaction.objects.all()])
     build_steps(list(Interaction.objects.values_list("pk", flat=True)))
     assert SubjectIndex.objects.filter(trajectory_id=traj).count() == len(rows)
 

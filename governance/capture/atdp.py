@@ -149,22 +149,23 @@ def capture_status(pending: bool, quarantined: bool) -> str:
 
 def with_capture_status(qs: QuerySet, tenant) -> QuerySet:
     """Trajectories annotated with `pending_calls` / `quarantined_calls` (two EXISTS on the
-    interactions' (trajectory, state) rows), for capture_status on list pages."""
+    trajectory's interactions joined to their PendingInteraction rows), for capture_status on
+    list pages."""
     from django.db.models import Exists, OuterRef
 
     calls = Interaction.objects.for_tenant(tenant).filter(trajectory_id=OuterRef("pk"))
     return qs.annotate(
-        pending_calls=Exists(calls.filter(state=Interaction.State.CAPTURED)),
-        quarantined_calls=Exists(calls.filter(state=Interaction.State.QUARANTINED)))
+        pending_calls=Exists(calls.filter(pending__state=Interaction.State.CAPTURED)),
+        quarantined_calls=Exists(calls.filter(pending__state=Interaction.State.QUARANTINED)))
 
 
 def quarantined_interactions(traj: Trajectory) -> list[dict]:
     """The trajectory's calls that never became a step: quarantined (unparseable, or the
     sanitizer failed — never training-eligible) or not built yet."""
     rows = (Interaction.objects.filter(trajectory_id=traj.pk)
-            .exclude(state=Interaction.State.PROCESSED)
+            .filter(pending__isnull=False)
             .order_by("started_at", "pk")
-            .values_list("step_id", "state", "state_reason", "started_at"))
+            .values_list("step_id", "pending__state", "pending__reason", "started_at"))
     return [{"step_id": str(step_id), "state": state, "reason": reason,
              "started_at": _iso(started_at)} for step_id, state, reason, started_at in rows]
 

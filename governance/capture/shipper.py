@@ -70,10 +70,12 @@ from governance.capture.rawstore import (
     DELTA_CHAIN_MAX,
     data_keys_for,
     decode_body,
+    delta_dictionary,
     insert_ignore_conflicts,
     key_is_destroyed,
     raw_plaintext,
     request_delta,
+    response_bytes,
     seal_dead_letter,
     seal_raw,
     unwrap,
@@ -81,7 +83,15 @@ from governance.capture.rawstore import (
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
 from governance.keyring import master_key as configured_master_key
 from governance.keyring import subject_hash as keyed_subject_hash
-from governance.models import Agent, Consent, DeadLetter, Interaction, SpoolState, Trajectory
+from governance.models import (
+    Agent,
+    Consent,
+    DeadLetter,
+    Interaction,
+    PendingInteraction,
+    SpoolState,
+    Trajectory,
+)
 from governance.tenancy import tenant_context
 from wire.openai import ENDPOINTS
 from wire.spool import (
@@ -209,6 +219,11 @@ class RawBase:
     body: bytes
     depth: int  # deltas since the last whole copy
     data_key_id: int
+    # Its response body: with `body`, what the next delta is compressed against (format 4).
+    response: bytes = b""
+
+    def dictionary(self) -> bytes:
+        return delta_dictionary(self.body, self.response)
 
 
 class RawBases:
@@ -224,14 +239,15 @@ class RawBases:
         self._bytes = 0
 
     def delta(self, p: _Prepared, data_key_id: int, pending: dict[uuid.UUID, RawBase]
-              ) -> dict[str, Any] | None:
-        """The delta of this record's request body (None: store it whole); notes the body as
-        the trajectory's next base in `pending`."""
+              ) -> tuple[dict[str, Any] | None, bytes | None]:
+        """The delta of this record's request body and the dictionary to compress it against
+        ((None, None): store it whole); notes the body as the trajectory's next base in
+        `pending`."""
         try:
             body = decode_body(p.record.get("request_body")) or b""
         except (ValueError, TypeError):  # not base64: stored whole, as the proxy spooled it
             pending.pop(p.trajectory_id, None)
-            return None
+            return None, None
         base = pending.get(p.trajectory_id) or self._bases.get(p.trajectory_id)
         delta = None
         if base is not None and base.data_key_id == data_key_id \
@@ -241,21 +257,21 @@ class RawBases:
                 delta["base"] = base.flow_id
         pending[p.trajectory_id] = RawBase(p.flow_id, body,
                                            base.depth + 1 if delta is not None else 0,
-                                           data_key_id)
-        return delta
+                                           data_key_id, response_bytes(p.record))
+        return delta, base.dictionary() if delta is not None and base is not None else None
 
     def commit(self, pending: dict[uuid.UUID, RawBase], lost: set[str]) -> None:
         for tid, base in pending.items():
             old = self._bases.pop(tid, None)
             if old is not None:
-                self._bytes -= len(old.body)
+                self._bytes -= len(old.body) + len(old.response)
             if base.flow_id in lost:
                 continue
             self._bases[tid] = base
-            self._bytes += len(base.body)
+            self._bytes += len(base.body) + len(base.response)
         while self._bytes > self.MAX_BYTES and self._bases:
             _, dropped = self._bases.popitem(last=False)
-            self._bytes -= len(dropped.body)
+            self._bytes -= len(dropped.body) + len(dropped.response)
 
 
 class Shipper:
@@ -610,6 +626,7 @@ class Shipper:
         # this batch adds to the bases is kept only once the transaction commits.
         pending: dict[uuid.UUID, RawBase] = {}
         base_flows: dict[str, str] = {}
+        states: dict[str, tuple[str, str]] = {}  # flow -> (state, reason) of a row to insert
         for p in storable:
             rec = p.record
             key = keys.get((p.tenant_id, p.subject_hash))
@@ -628,11 +645,11 @@ class Shipper:
             else:
                 if (p.tenant_id, p.subject_hash) not in plain_keys:
                     plain_keys[(p.tenant_id, p.subject_hash)] = unwrap(key)
-                delta = self._bases.delta(p, key.pk, pending)
+                delta, dictionary = self._bases.delta(p, key.pk, pending)
                 if delta is not None:
                     base_flows[p.flow_id] = delta["base"]
                 ciphertext = seal_raw(plain_keys[(p.tenant_id, p.subject_hash)], p.flow_id,
-                                      raw_plaintext(rec, delta))
+                                      raw_plaintext(rec, delta, dictionary))
             if p.problems:
                 state = Interaction.State.QUARANTINED
             err = rec.get("error") if isinstance(rec.get("error"), dict) else {}
@@ -656,12 +673,21 @@ class Shipper:
                 data_key=key, raw_ciphertext=ciphertext,
                 raw_base_flow=base_flows.get(p.flow_id, ""),
                 raw_expires_at=expires if ciphertext is not None else None,
-                state=state, state_reason=storable_text(reason),
                 proxy_instance=storable_text(rec.get("proxy_instance") or "", 128),
             ))
+            states[p.flow_id] = (state, storable_text(reason))
 
-        inserted = insert_ignore_conflicts(rows, returning=("id", "flow_id", "state"))
+        inserted = [(pk, flow, states[flow][0])
+                    for pk, flow in insert_ignore_conflicts(rows, returning=("id", "flow_id"))]
         inserted_flows = {flow for _, flow, _ in inserted}
+        # Every call starts unbuilt (or quarantined): its PendingInteraction row (decision 39).
+        by_flow_row = {r.flow_id: r for r in rows}
+        PendingInteraction.objects.bulk_create([
+            PendingInteraction(interaction_id=pk, tenant_id=by_flow_row[flow].tenant_id,
+                               trajectory_id=by_flow_row[flow].trajectory_id,
+                               started_at=by_flow_row[flow].started_at,
+                               state=state, reason=states[flow][1])
+            for pk, flow, state in inserted])
         rest = [r.flow_id for r in rows if r.flow_id not in inserted_flows]
         existing = set(Interaction.objects.filter(flow_id__in=rest)
                        .values_list("flow_id", flat=True)) if rest else set()

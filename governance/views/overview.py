@@ -181,7 +181,7 @@ def overview_context(request: HttpRequest) -> dict[str, Any]:
     tenant = request.tenant
     now = timezone.now()
     interactions = Interaction.objects.for_tenant(tenant)
-    backlog = interactions.filter(state=Interaction.State.CAPTURED).aggregate(
+    backlog = interactions.filter(pending__state=Interaction.State.CAPTURED).aggregate(
         n=Count("id"), oldest=Min("started_at"))
     dead_letters = DeadLetter.objects.for_tenant(tenant)
     dead_letter_count = dead_letters.count()
@@ -209,7 +209,7 @@ def overview_context(request: HttpRequest) -> dict[str, Any]:
          else None,
          "hint": (f"oldest waiting {_age(now - oldest)}" if oldest else "")},
         {"label": "quarantined", "count": interactions.filter(
-            state=Interaction.State.QUARANTINED).count(), "level": "bad",
+            pending__state=Interaction.State.QUARANTINED).count(), "level": "bad",
          "href": _href("trajectories", {"status": "quarantined"}) if can(request,
                                                                          "read_trajectories")
          else None,

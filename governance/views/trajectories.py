@@ -185,13 +185,13 @@ def filtered(tenant: Any, data: dict[str, Any]) -> QuerySet:
     status = data.get("status")
     interactions = Interaction.objects.for_tenant(tenant)
     if status == "quarantined":
-        qs = qs.filter(pk__in=interactions.filter(state=Interaction.State.QUARANTINED)
+        qs = qs.filter(pk__in=interactions.filter(pending__state=Interaction.State.QUARANTINED)
                        .values("trajectory_id"))
     elif status == "pending":
-        qs = qs.filter(pk__in=interactions.filter(state=Interaction.State.CAPTURED)
+        qs = qs.filter(pk__in=interactions.filter(pending__state=Interaction.State.CAPTURED)
                        .values("trajectory_id"))
     elif status in ("complete", "eligible"):
-        unbuilt = interactions.exclude(state=Interaction.State.PROCESSED).values("trajectory_id")
+        unbuilt = interactions.filter(pending__isnull=False).values("trajectory_id")
         # step_count counts calls shipped, not steps built: ask the steps.
         qs = qs.filter(Exists(Step.objects.filter(trajectory_id=OuterRef("pk")))) \
             .exclude(pk__in=unbuilt)
@@ -281,8 +281,8 @@ def annotate_row_status(tenant: Any, rows: list[Trajectory]) -> None:
     calls = {c["trajectory_id"]: c for c in (
         Interaction.objects.for_tenant(tenant).filter(trajectory_id__in=ids)
         .values("trajectory_id").order_by()
-        .annotate(quarantined=Count("pk", filter=Q(state=State.QUARANTINED)),
-                  pending=Count("pk", filter=Q(state=State.CAPTURED)),
+        .annotate(quarantined=Count("pk", filter=Q(pending__state=State.QUARANTINED)),
+                  pending=Count("pk", filter=Q(pending__state=State.CAPTURED)),
                   errors=Count("pk", filter=Q(status_code__gte=400)),
                   worst=Max("status_code", filter=Q(status_code__gte=400))))}
     findings = dict(Finding.objects.for_tenant(tenant).filter(step__trajectory_id__in=ids)

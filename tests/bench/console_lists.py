@@ -58,6 +58,7 @@ def seed(n: int) -> dict[str, int]:
         DatasetVersion,
         ErasureRequest,
         Interaction,
+        PendingInteraction,
         Reward,
         Step,
         Trajectory,
@@ -74,6 +75,7 @@ def seed(n: int) -> dict[str, int]:
     def make(tenant_obj, agent_list, count: int, prefix: str) -> None:
         for start in range(0, count, BATCH):
             trajs, ias, steps, rewards = [], [], [], []
+            pending: list[tuple[Interaction, str]] = []
             for i in range(start, min(count, start + BATCH)):
                 t_at = now - timedelta(seconds=(count - i) * 20)
                 agent = agent_list[i % len(agent_list)]
@@ -91,7 +93,9 @@ def seed(n: int) -> dict[str, int]:
                     step_id=sid, endpoint="chat.completions", method="POST",
                     path="/v1/chat/completions", status_code=200, started_at=t_at,
                     first_byte_at=t_at, ended_at=t_at + timedelta(milliseconds=400),
-                    state=state, proxy_instance="bench"))
+                    proxy_instance="bench"))
+                if state != Interaction.State.PROCESSED:
+                    pending.append((ias[-1], state))
                 if state == Interaction.State.PROCESSED:
                     steps.append(Step(
                         id=sid, tenant=tenant_obj, trajectory_id=tid, endpoint="chat.completions",
@@ -111,9 +115,12 @@ def seed(n: int) -> dict[str, int]:
             Interaction.objects.bulk_create(ias)
             Step.objects.bulk_create(steps)
             Reward.objects.bulk_create(rewards)
-            # Steps were bulk-inserted after the interactions: link them the way the builder does.
-            Interaction.objects.filter(step_id__in=[s.id for s in steps]).update(
-                state=Interaction.State.PROCESSED)
+            # What the builder has not built (or quarantined): their pending rows.
+            PendingInteraction.objects.bulk_create([
+                PendingInteraction(interaction=ia, tenant=tenant_obj,
+                                   trajectory_id=ia.trajectory_id, started_at=ia.started_at,
+                                   state=state)
+                for ia, state in pending])
 
     make(tenant, agents, n, "b")
     make(other, [other_agent], 1_000, "o")

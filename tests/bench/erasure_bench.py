@@ -62,10 +62,10 @@ def seed(cursor, tenant_id: int, agent_id: int, n_steps: int, subject_hash: str,
         "INSERT INTO governance_interaction (flow_id, tenant_id, agent_id, trajectory_id, "
         "step_id, endpoint, method, path, status_code, is_stream, request_is_json, error_kind, "
         "error_message, subject_hash, consent, started_at, first_byte_at, ended_at, "
-        "raw_ciphertext, raw_base_flow, state, state_reason, proxy_instance, shipped_at) "
+        "raw_ciphertext, raw_base_flow, proxy_instance, shipped_at) "
         f"SELECT 'f' || g, %s, %s, {traj}, md5('s' || g)::uuid, 'chat.completions', 'POST', "
         "'/v1/chat/completions', 200, false, true, '', '', '', 'train', "
-        f"{ts}, {ts}, {ts}, decode(md5(g::text) || md5(g::text), 'hex'), '', 'processed', '', "
+        f"{ts}, {ts}, {ts}, decode(md5(g::text) || md5(g::text), 'hex'), '', "
         "'bench:0', now() FROM generate_series(0, %s) g", [tenant_id, agent_id, n_steps - 1])
     cursor.execute("SELECT min(id) FROM governance_interaction")
     first_ia = cursor.fetchone()[0]

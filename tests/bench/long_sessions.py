@@ -442,7 +442,7 @@ def built(app: Appliance, agent: str) -> tuple[int, int]:
 
     with tenant_context(app.tenant):
         qs = Interaction.objects.filter(agent__name=agent)
-        return qs.count(), qs.exclude(state=Interaction.State.CAPTURED).count()
+        return qs.count(), qs.exclude(pending__state=Interaction.State.CAPTURED).count()
 
 
 def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,

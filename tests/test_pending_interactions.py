@@ -1,0 +1,121 @@
+"""What is not built yet lives in PendingInteraction, not in the interaction row (migration
+0027, decision 39): building a step deletes the pending row and leaves the interaction exactly
+as the shipper inserted it — no new row version, no new index entries."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+
+from governance.models import Interaction, PendingInteraction, Step
+from governance.tenancy import tenant_context
+from tests.pipeline import chat_response, make_record, ship_and_build
+
+
+@pytest.fixture
+def agent(tenant):
+    from governance.services import ensure_agent
+
+    return ensure_agent("system:test", tenant, "pending-bot")
+
+
+def _ctid(pk: int) -> str:
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        cur.execute("SELECT ctid::text FROM governance_interaction WHERE id = %s", [pk])
+        return cur.fetchone()[0]
+
+
+def test_building_a_step_deletes_the_pending_row_and_never_rewrites_the_interaction(
+        tenant, agent, tmp_path):
+    from governance.capture.shipper import ship_once
+    from governance.tasks import build_steps
+    from tests.pipeline import write_records
+
+    traj = str(uuid.uuid4())
+    records = _calls(tenant, agent, traj)
+    write_records(tmp_path, records)
+    ship_once(tmp_path, enqueue=lambda ids: None)
+    rows = {ia.flow_id: ia for ia in Interaction.objects.filter(trajectory_id=traj)}
+    assert len(rows) == 3
+    pending = dict(PendingInteraction.objects.filter(trajectory_id=traj)
+                   .values_list("interaction_id", "state"))
+    assert pending == {ia.pk: "captured" for ia in rows.values()}
+    before = {ia.pk: _ctid(ia.pk) for ia in rows.values()}
+
+    build_steps(sorted(before))
+    after = {pk: _ctid(pk) for pk in before}
+    assert after == before  # the same row versions: built without an UPDATE
+    states = {flow: Interaction.objects.get(flow_id=flow).state for flow in rows}
+    assert [states[r["flow_id"]] for r in records] == ["processed", "quarantined", "processed"]
+    left = PendingInteraction.objects.get(trajectory_id=traj)
+    assert left.state == "quarantined" and left.reason
+    assert Interaction.objects.get(pk=left.interaction_id).state_reason == left.reason
+    # Asked again: nothing is claimed (the built ones have no row, the quarantined one is
+    # not waiting), nothing is built twice.
+    assert build_steps(sorted(before))["skipped"] == 3
+    assert Step.objects.filter(trajectory_id=traj).count() == 2
+
+
+def test_retention_takes_the_pending_rows_with_their_interactions(tenant, agent):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from governance.retention import purge_tenant
+    from tests.govdata import make_trajectory
+
+    old = make_trajectory(tenant, agent, steps=2, state="quarantined",
+                          started=timezone.now() - timedelta(days=800))
+    assert PendingInteraction.objects.filter(trajectory=old).count() == 1
+    purge_tenant(tenant.pk)
+    assert not Interaction.objects.filter(trajectory_id=old.pk).exists()
+    assert not PendingInteraction.objects.filter(trajectory_id=old.pk).exists()
+
+
+def test_migration_0027_moves_the_states_and_back(tenant, agent, transactional_db):
+    traj = ship_and_build_session(tenant, agent)
+    call_command("migrate", "governance", "0026", verbosity=0)
+    try:
+        with connection.cursor() as cur:
+            cur.execute("SELECT set_config('steward.system', 'on', false)")
+            cur.execute("SELECT state, state_reason FROM governance_interaction "
+                        "WHERE trajectory_id = %s ORDER BY id", [traj])
+            states = cur.fetchall()
+            assert [s for s, _ in states] == ["processed", "quarantined", "processed"]
+            assert states[1][1]  # its reason came back
+            # A call left waiting by the old code, to move forward.
+            cur.execute("UPDATE governance_interaction SET state = 'captured' WHERE id = ("
+                        "SELECT max(id) FROM governance_interaction WHERE trajectory_id = %s)",
+                        [traj])
+    finally:
+        call_command("migrate", "governance", verbosity=0)
+    with tenant_context(tenant):
+        rows = list(Interaction.objects.filter(trajectory_id=traj).order_by("pk"))
+        assert [ia.state for ia in rows] == ["processed", "quarantined", "captured"]
+        assert rows[1].state_reason == states[1][1]
+        assert PendingInteraction.objects.filter(trajectory_id=traj).count() == 2
+
+
+def _calls(tenant, agent, traj: str) -> list[dict]:
+    """Three calls of one trajectory; the second one's response is not JSON (quarantined)."""
+    t0 = time.time() - 60
+    return [make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + i,
+                        request={"model": "m", "messages": [
+                            {"role": "user", "content": f"Question {i}"}]},
+                        response=b"<html>not json</html>" if i == 1 else chat_response(f"A {i}"))
+            for i in range(3)]
+
+
+def ship_and_build_session(tenant, agent) -> str:
+    import tempfile
+    from pathlib import Path
+
+    traj = str(uuid.uuid4())
+    with tempfile.TemporaryDirectory() as spool:
+        ship_and_build(Path(spool), _calls(tenant, agent, traj))
+    return traj
