@@ -71,7 +71,13 @@ from governance.capture.rawstore import (
     open_raw,
     rebase_dependents,
 )
-from governance.capture.steps import CaptureError, Exchange, fields_from_exchange, parse_exchange
+from governance.capture.steps import (
+    CaptureError,
+    Exchange,
+    compact_step_json,
+    fields_from_exchange,
+    parse_exchange,
+)
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
 from governance.keyring import content_hasher, subject_hash
 from governance.models import (
@@ -609,6 +615,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 training_eligible=ia.consent == Consent.TRAIN and fields["error"] is None,
                 **fields, **columns,
             )
+            compact_step_json(write.step)
             write.findings.extend(packed_rows(ia.tenant_id, ia.step_id, result.findings, version))
             write.index_rows.extend(_index_rows(ia, result.identifiers))
             row = _header_row(ia, ia.step_id)

@@ -15,6 +15,7 @@ import openai
 import orjson
 import pytest
 
+from governance.capture.steps import step_json
 from proxy.routing import (
     ASSIGNMENT_KEY_PURPOSE,
     CANDIDATE,
@@ -441,7 +442,7 @@ def test_share_and_stickiness_end_to_end(world, start_proxy, fake_upstream, cand
     assert trajs.filter(route_arm=CONTROL).count() == 200 - len(hashed)
     step = Step.objects.filter(trajectory__route_arm=CANDIDATE).first()
     assert step.versions["route"] == {"id": route.pk, "arm": CANDIDATE}
-    assert step.versions["gen_ai.request.model"] == "cand-model"
+    assert step_json(step)[1]["gen_ai.request.model"] == "cand-model"  # from its column
     assert PolicyRoute.objects.get(pk=route.pk).status == "canary"
 
 

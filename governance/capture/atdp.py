@@ -32,6 +32,7 @@ from governance.capture.conversation import (
     compact_form,
     materialize_observations,
 )
+from governance.capture.steps import step_json
 from governance.models import Consent, Interaction, Reward, Step, Trajectory
 
 ATDP_VERSION = "1.0"
@@ -172,6 +173,7 @@ def quarantined_interactions(traj: Trajectory) -> list[dict]:
 
 def step_document(step: Step, index: int, action_result: dict | None,
                   findings: dict[str, int] | None = None) -> dict:
+    usage, versions, metadata = step_json(step)
     return {
         "index": index,
         "id": str(step.id),
@@ -185,10 +187,10 @@ def step_document(step: Step, index: int, action_result: dict | None,
         "action": step.action or {},
         "action_result": action_result,
         "tokens": step.tokens or {},
-        "usage": step.usage or {},
+        "usage": usage,
         "timings": step.timings or {},
-        "versions": step.versions or {},
-        "metadata": step.metadata or {},
+        "versions": versions,
+        "metadata": metadata,
         "error": step.error,
         "governance": step_governance(step, findings),
     }

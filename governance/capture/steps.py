@@ -545,3 +545,57 @@ def build_step_fields(*, endpoint: str, request_body: bytes, response_body: byte
                         is_stream=is_stream, error=error)
     return fields_from_exchange(ex, t_request=t_request, t_first_byte=t_first_byte,
                                 t_end=t_end, harness_version=harness_version)
+
+
+# --- what a step stores of its metadata, versions and usage (decision 39) -----------------------
+#
+# A step's metadata and versions repeat what its own columns say (operation, provider, status,
+# response id, models, sanitizer version, the finish reason its action holds), and its usage's
+# OTel names are a function of the upstream's own usage object, kept under `raw`. Stored, that
+# was ~0.4 KB of every step row. Now an entry is left out when — and only when — it is exactly
+# what `step_json` derives back from the row, so every reader sees the JSON the step was built
+# with (rows stored whole before this read as they are).
+
+
+def _derivable(step: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metadata, versions) entries that the step's columns and action determine."""
+    metadata: dict[str, Any] = {"gen_ai.provider.name": "openai"}
+    if step.endpoint in OPERATION_NAMES:
+        metadata["gen_ai.operation.name"] = OPERATION_NAMES[step.endpoint]
+    if step.status_code is not None:
+        metadata["http.response.status_code"] = step.status_code
+    if step.response_id:
+        metadata["gen_ai.response.id"] = step.response_id
+    if step.sanitizer_version:
+        metadata["steward.sanitizer.version"] = step.sanitizer_version
+    finish = step.action.get("finish_reason") if isinstance(step.action, dict) else None
+    if isinstance(finish, str):
+        metadata["gen_ai.response.finish_reasons"] = [finish]
+    versions = {"gen_ai.request.model": step.request_model or None,
+                "gen_ai.response.model": step.response_model or None}
+    return metadata, versions
+
+
+def compact_step_json(step: Any) -> None:
+    """Leave out of a step about to be stored what `step_json` gives back the same."""
+    metadata, versions = _derivable(step)
+    step.metadata = {k: v for k, v in (step.metadata or {}).items()
+                     if k not in metadata or metadata[k] != v}
+    step.versions = {k: v for k, v in (step.versions or {}).items()
+                     if k not in versions or versions[k] != v}
+    usage = step.usage or {}
+    if "raw" in usage and otel_usage(usage["raw"]) == usage:
+        step.usage = {"raw": usage["raw"]}
+
+
+def step_json(step: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(usage, versions, metadata) of a stored step, as it was built: what it stores, plus
+    each derivable entry it does not. A derivable metadata entry missing from a whole row
+    (stored before decision 39, or never part of it) is one the build always wrote when its
+    source was there: the column, or the action's finish reason."""
+    metadata, versions = _derivable(step)
+    usage = step.usage or {}
+    if set(usage) == {"raw"}:
+        usage = otel_usage(usage["raw"])
+    return (usage, {**versions, **(step.versions or {})},
+            {**metadata, **(step.metadata or {})})
