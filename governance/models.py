@@ -472,10 +472,13 @@ class ConversationItem(models.Model):
         TOOLS = "tools", "Tool schemas"
         INSTRUCTIONS = "instructions", "Instructions"
 
+    # No index of their own (migration 0028, decision 39): every lookup by trajectory uses
+    # convitem_traj_digest_version, which leads with it; a tenant is deleted (rarely) through
+    # its trajectories, as for placeholder deltas.
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
-                               related_name="conversation_items")
+                               related_name="conversation_items", db_index=False)
     trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE,
-                                   related_name="conversation_items")
+                                   related_name="conversation_items", db_index=False)
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.MESSAGE)
     digest = models.CharField(max_length=72)
     sanitizer_version = models.CharField(max_length=64)

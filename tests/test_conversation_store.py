@@ -405,3 +405,20 @@ def test_a_batch_reads_the_delta_bases_of_its_calls_a_chain_level_at_a_time(
         with django_assert_num_queries(0):
             opened = [open_raw(row, bodies, bases) for row in batch]
     assert [decode_body(o["request_body"]) for o in opened] == [sent[r.flow_id] for r in batch]
+
+
+def test_items_are_indexed_by_trajectory_only_through_their_unique_index(db):
+    """Decision 39 (migration 0028): no tenant or trajectory index of their own; a lookup or
+    delete by trajectory uses the (trajectory, digest, sanitizer_version) index."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT indexname FROM pg_indexes "
+                    "WHERE tablename = 'governance_conversationitem'")
+        assert {r[0] for r in cur.fetchall()} == {"governance_conversationitem_pkey",
+                                                  "convitem_traj_digest_version"}
+        cur.execute("SET LOCAL enable_seqscan = off")
+        cur.execute("EXPLAIN DELETE FROM governance_conversationitem "
+                    "WHERE trajectory_id = ANY(%s::uuid[])", [[str(uuid.uuid4())]])
+        plan = "\n".join(r[0] for r in cur.fetchall())
+    assert "convitem_traj_digest_version" in plan, plan
