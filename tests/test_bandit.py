@@ -56,7 +56,7 @@ REVIEWED_MEDIUM: dict[tuple[str, str], tuple[int, str]] = {
         "from the models' _meta, quoted by connection.ops.quote_name; ids are bound "
         "parameters"),
     ("governance/erasure.py", "B608"): (
-        14, "table names from _table(<constant model name>) (the model's _meta, quoted); "
+        15, "table names from _table(<constant model name>) (the model's _meta, quoted); "
         "every value (tenant, ids, hashes) is a bound parameter"),
     ("trainer/rollout.py", "B310"): (
         1, "POSTs to the inference server URL the operator configured (SGLang admin API); "
