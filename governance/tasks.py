@@ -533,6 +533,16 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             return done
         claimed = list(Interaction.objects.for_tenant(tenant_id).select_related("data_key")
                        .filter(pk__in=claimed_ids))
+        orphans = claimed_ids - {ia.pk for ia in claimed}
+        if orphans:
+            # A pending row whose interaction is gone (deleted by a path that missed it):
+            # nothing to build, and the sweeper would re-queue it every minute.
+            PendingInteraction.objects.filter(interaction_id__in=orphans).delete()
+            log.warning("capture: tenant %s: dropped pending rows of missing interactions %s",
+                        tenant_id, sorted(orphans))
+            done["skipped"] += sorted(orphans & set(pks))
+        if not claimed:
+            return done
         claimed.sort(key=lambda ia: (ia.started_at, ia.pk))
         requested = set(pks)
         tenant = Tenant.objects.get(pk=tenant_id)

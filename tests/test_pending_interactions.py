@@ -61,6 +61,20 @@ def test_building_a_step_deletes_the_pending_row_and_never_rewrites_the_interact
     assert Step.objects.filter(trajectory_id=traj).count() == 2
 
 
+def test_a_pending_row_whose_interaction_is_gone_is_dropped_when_claimed(tenant, agent):
+    from governance.tasks import build_steps
+    from tests.govdata import make_trajectory
+
+    traj = make_trajectory(tenant, agent, steps=1, state="captured")
+    row = PendingInteraction.objects.get(trajectory=traj)
+    with connection.cursor() as cur:  # deleted behind the ORM's back
+        cur.execute("DELETE FROM governance_interaction WHERE id = %s", [row.interaction_id])
+    # As the sweeper asks (by tenant): the row is claimed, its interaction is not there.
+    assert build_steps([row.interaction_id], tenant_id=tenant.pk) == {
+        "built": 0, "quarantined": 0, "skipped": 1}
+    assert not PendingInteraction.objects.filter(trajectory=traj).exists()
+
+
 def test_retention_takes_the_pending_rows_with_their_interactions(tenant, agent):
     from datetime import timedelta
 
