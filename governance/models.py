@@ -576,11 +576,14 @@ class SubjectIndex(models.Model):
                                    related_name="subject_index")
     # No database constraints into the partitioned steps and interactions (decision 33):
     # Django's collector, erasure and retention's partition drop delete these rows with them.
+    # Their indexes skip rows without one (partial, migration 0030, decision 40): item rows,
+    # two in three, have neither; every lookup by them is an equality or IN, which implies
+    # IS NOT NULL, so the planner uses the partial index.
     step = models.ForeignKey(Step, null=True, blank=True, on_delete=models.CASCADE,
-                             related_name="subject_index", db_constraint=False)
+                             related_name="subject_index", db_constraint=False, db_index=False)
     interaction = models.ForeignKey(Interaction, null=True, blank=True,
                                     on_delete=models.CASCADE, related_name="subject_index",
-                                    db_constraint=False)
+                                    db_constraint=False, db_index=False)
     item = models.ForeignKey("ConversationItem", null=True, blank=True, db_index=False,
                              on_delete=models.CASCADE, related_name="subject_index")
     source = models.CharField(max_length=8, choices=Source.choices)
@@ -593,7 +596,13 @@ class SubjectIndex(models.Model):
         # fastupdate off: GIN's pending list keeps entries uncompressed until a vacuum merges
         # them (about twice the bytes under a steady insert load); inserts here are a few
         # rows per call, cheap to put straight into the tree.
-        indexes = [GinIndex(fields=["hashes"], name="subjectindex_hashes", fastupdate=False)]
+        indexes = [
+            GinIndex(fields=["hashes"], name="subjectindex_hashes", fastupdate=False),
+            models.Index(fields=["step"], condition=models.Q(step__isnull=False),
+                         name="subjectindex_step"),
+            models.Index(fields=["interaction"], condition=models.Q(interaction__isnull=False),
+                         name="subjectindex_interaction"),
+        ]
         constraints = [
             # The step builder inserts with ON CONFLICT DO NOTHING: a rebuilt interaction
             # adds nothing twice. (Scan rows may repeat: each erasure scan adds its own, and

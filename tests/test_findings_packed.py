@@ -6,6 +6,7 @@ row-per-finding layout and gives them back exactly."""
 from __future__ import annotations
 
 import uuid
+import zlib
 from collections import Counter
 
 import pytest
@@ -45,7 +46,31 @@ def test_codec_round_trip_keeps_order_and_cuts_long_strings():
     assert codec.unpack(b"") == []
     # Each distinct string once: 60 findings on one path pack into far less than their rows.
     many = [dict(found[0], start=i, end=i + 5) for i in range(60)]
-    assert len(codec.pack([codec.clean(f) for f in many])) < 400
+    assert len(codec.pack([codec.clean(f) for f in many])) < 150
+
+
+def test_format2_reads_format1_and_refuses_what_is_neither():
+    """Rows written before decision 40 (format 1) read the same; format 2 is smaller on a
+    PII-dense tool result (one path, a value path per field) and keeps negative or odd values
+    exactly; a damaged blob is an error, never other findings."""
+    fields = ["name", "email", "phone", "address", "note"]
+    found = [codec.clean({"entity_type": ["PERSON", "EMAIL_ADDRESS", "PHONE_NUMBER",
+                                          "STREET_ADDRESS", "PERSON"][j],
+                          "path": "$.messages[9].content",
+                          "value_path": f"$.customers[{i}].{fields[j]}", "start": 3 * j,
+                          "end": 3 * j + 11 + i, "score": 0.85, "recognizer": "email",
+                          "operator": "placeholder"})
+             for i in range(10) for j in range(5)]
+    v1, v2 = codec.pack_v1(found), codec.pack(found)
+    assert v2.startswith(codec.MAGIC) and not v1.startswith(codec.MAGIC)
+    assert codec.unpack(v1) == codec.unpack(v2) == found
+    assert len(v2) < 0.6 * len(v1)
+    odd = [dict(found[0], start=-4, end=-9, score=-0.25, value_path="ü\u0000x")]
+    assert codec.unpack(codec.pack(odd)) == odd
+    assert codec.unpack(codec.pack([])) == []
+    for bad in (v2[:-3], codec.MAGIC + b"junk", v2 + b"\x00", b"\x00fd9" + v2[4:]):
+        with pytest.raises((ValueError, zlib.error)):
+            codec.unpack(bad)
 
 
 def test_builder_writes_one_row_per_place_and_side(tenant, agent, tmp_path):
@@ -132,4 +157,38 @@ def test_migration_0020_packs_and_expands_rows_of_the_old_layout(tenant, agent,
     firsts = {min(i for i, o in zip(ids, old, strict=True) if o[:2] == key)
               for key in {o[:2] for o in old}}
     assert firsts <= {b[0] for b in back}
+    call_command("migrate", "governance", verbosity=0)
+
+
+def test_migration_0029_repacks_rows_both_ways(tenant, agent, transactional_db):
+    """0029 re-encodes rows of format 1 (what 0020 and the releases before wrote) in format 2,
+    and its reverse gives format 1 back with the same detail: what 0020's reverse reads."""
+    call_command("migrate", "governance", "0028", verbosity=0)
+    found = [codec.clean({"entity_type": "PERSON", "path": f"$.messages[{i}].content",
+                          "value_path": "", "start": i, "end": i + 7, "score": 0.85,
+                          "recognizer": "spacy_ner", "operator": "placeholder"})
+             for i in range(5)]
+    step = uuid.uuid4()
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        cur.execute("INSERT INTO governance_finding (tenant_id, step_id, item_id, side, counts, "
+                    "total, spans, sanitizer_version, created_at) VALUES (%s, %s, NULL, "
+                    "'request', '{\"PERSON\": 5}', 5, %s, 'v1', now()), (%s, %s, NULL, "
+                    "'response', '{}', 0, '', 'v1', now())",
+                    [tenant.pk, step, codec.pack_v1(found), tenant.pk, step])
+
+    def stored() -> list[bytes]:
+        with connection.cursor() as cur:
+            cur.execute("SELECT set_config('steward.system', 'on', false)")
+            cur.execute("SELECT spans FROM governance_finding WHERE step_id = %s ORDER BY side",
+                        [step])
+            return [bytes(row[0]) for row in cur.fetchall()]
+
+    call_command("migrate", "governance", "0029", verbosity=0)
+    spans, empty = stored()
+    assert spans.startswith(codec.MAGIC) and codec.unpack(spans) == found and empty == b""
+    call_command("migrate", "governance", "0028", verbosity=0)
+    spans, empty = stored()
+    assert not spans.startswith(codec.MAGIC) and spans == codec.pack_v1(found)
+    assert empty == b""
     call_command("migrate", "governance", verbosity=0)

@@ -274,3 +274,28 @@ def test_lookups_use_the_gin_index_under_row_level_security(tenant, agent, tmp_p
     finally:
         call_command("migrate", "governance", verbosity=0)
     assert subject_keys_operator() == "&&&"
+
+
+def test_step_and_interaction_lookups_use_the_partial_indexes(tenant, agent, tmp_path):
+    """Migration 0030 (decision 40): item rows (no step, no interaction) are left out of the
+    step and interaction indexes; what reads rows by them (Django's cascade, retention's month
+    release) still finds them through the partial indexes, and finds every row."""
+    traj = str(uuid.uuid4())
+    ship_and_build(tmp_path, customer_session(tenant.pk, agent.pk, traj))
+    with tenant_context(tenant):
+        rows = list(SubjectIndex.objects.filter(trajectory_id=traj))
+        by_step = SubjectIndex.objects.filter(step_id__in=[r.step_id for r in rows if r.step_id])
+        by_ia = SubjectIndex.objects.filter(
+            interaction_id__in=[r.interaction_id for r in rows if r.interaction_id])
+        assert any(r.item_id and not r.step_id and not r.interaction_id for r in rows)
+        assert {r.pk for r in by_step} == {r.pk for r in rows if r.step_id}
+        assert {r.pk for r in by_ia} == {r.pk for r in rows if r.interaction_id}
+        for qs, index in ((by_step, "subjectindex_step"), (by_ia, "subjectindex_interaction")):
+            sql, params = qs.query.sql_with_params()
+            plan = _plan(sql, list(params))
+            assert index in plan and "Seq Scan" not in plan, plan
+    with connection.cursor() as cur:
+        cur.execute("SELECT indexdef FROM pg_indexes WHERE indexname IN "
+                    "('subjectindex_step', 'subjectindex_interaction')")
+        defs = [r[0] for r in cur.fetchall()]
+    assert len(defs) == 2 and all("IS NOT NULL" in d for d in defs), defs

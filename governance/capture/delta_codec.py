@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from governance.capture.varints import Reader, put
+
 # Format 1 is a zlib stream, whose first byte is 0x78 for every level zlib writes.
 MAGIC = b"\x00ph2"
 KEY_BYTES = 8
@@ -37,41 +39,11 @@ def short_key(key: str) -> str:
     return key[:KEY_HEX]
 
 
+WHAT = "placeholder delta"
+
+
 def _varint(n: int, out: bytearray) -> None:
-    if n < 0:
-        raise ValueError("negative integer in a placeholder delta")
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return
-
-
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    def varint(self) -> int:
-        shift = result = 0
-        while True:
-            if self.pos >= len(self.data):
-                raise ValueError("placeholder delta is truncated")
-            byte = self.data[self.pos]
-            self.pos += 1
-            result |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                return result
-            shift += 7
-
-    def take(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise ValueError("placeholder delta is truncated")
-        chunk = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return chunk
+    put(n, out, WHAT)
 
 
 def _split_label(label: str) -> tuple[str, int]:
@@ -125,7 +97,7 @@ def unpack(data: bytes | memoryview) -> dict[str, Any]:
             if part in old:
                 old[part] = {short_key(k): v for k, v in old[part].items()}
         return {**old, "v": 2}
-    reader = _Reader(data)
+    reader = Reader(data, WHAT)
     reader.take(len(MAGIC))
     prefixes = [reader.take(reader.varint()).decode() for _ in range(reader.varint())]
 
@@ -149,6 +121,5 @@ def unpack(data: bytes | memoryview) -> dict[str, Any]:
             out[part] = entries
     if counters:
         out["counters"] = counters
-    if reader.pos != len(data):
-        raise ValueError("placeholder delta has trailing bytes")
+    reader.done()
     return out
