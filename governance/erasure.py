@@ -590,7 +590,7 @@ def _find_trajectories(cursor: Any, tenant_id: int, hashes: list[str], limit: in
         f"UNION SELECT trajectory_id FROM {_table('Interaction')} WHERE tenant_id = %s "
         "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
         f"UNION SELECT trajectory_id FROM {_table('SubjectIndex')} WHERE tenant_id = %s "
-        f"AND hashes {subject_keys_operator()} %s::uuid[]) AS s LIMIT %s",
+        f"AND hashes {subject_keys_operator()} %s::bigint[]) AS s LIMIT %s",
         [tenant_id, hashes, tenant_id, hashes, tenant_id, SubjectIndex.keys(hashes), limit])
     return [row[0] for row in cursor.fetchall()]
 
@@ -797,7 +797,7 @@ def post_condition(tenant_id: int, hashes: list[str]) -> dict[str, int]:
             f"(SELECT count(*) FROM {_table('Interaction')} "
             "WHERE tenant_id = %s AND subject_hash = ANY(%s::text[]) AND subject_hash <> ''), "
             f"(SELECT count(*) FROM {_table('SubjectIndex')} "
-            f"WHERE tenant_id = %s AND hashes {subject_keys_operator()} %s::uuid[]), "
+            f"WHERE tenant_id = %s AND hashes {subject_keys_operator()} %s::bigint[]), "
             f"(SELECT count(*) FROM {_table('DataKey')} WHERE tenant_id = %s "
             "AND subject_hash = ANY(%s::text[]) AND subject_hash <> '' "
             "AND wrapped_key IS NOT NULL), "

@@ -22,7 +22,7 @@ from django.db import models
 from django.db.models import Lookup
 
 # The scoped manager of every tenant model: it filters by the current tenant scope itself.
-from governance.subject_keys import OPCLASS
+from governance.subject_keys import OPCLASS, UUID_OPCLASS
 from governance.tenancy import TenantManager, TenantQuerySet  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -557,10 +557,12 @@ class SubjectIndex(models.Model):
     - `scan`: identifiers the erasure scan found in a payload nothing had indexed.
     A GIN index answers `hashes && ARRAY[..]`. A row per identifier cost ~560 bytes with its
     indexes (34 per 3 KB of PII-dense agent traffic: 19 KB a call); packed, ~80 (decision 34).
-    128-bit keys in a uuid[] (16 bytes an element, no length word) instead of the 32-byte
-    bytea[] and its parallel entity types nobody read: 58 % fewer heap bytes and 35 % less
-    GIN (decision 38); 2^64 keys before a collision is even likely, per tenant. Keyed hashes
-    only: the index cannot be read back into identifiers."""
+    64-bit keys in a bigint[] (decision 40, migration 0031; 128 bits in a uuid[] before,
+    decision 38): 8 bytes an element in the row and in each GIN entry. A key only has to be
+    told apart from the other keys of its tenant when an erasure looks one up: the chance
+    that a lookup matches an unrelated key is (keys in the tenant) / 2^64, 5e-11 for a billion
+    keys, and such a match would add a trajectory to the erasure's preview, never miss one.
+    Keyed hashes only: the index cannot be read back into identifiers."""
 
     class Source(models.TextChoices):
         HEADER = "header", "X-Steward-Subject header"
@@ -587,7 +589,7 @@ class SubjectIndex(models.Model):
     item = models.ForeignKey("ConversationItem", null=True, blank=True, db_index=False,
                              on_delete=models.CASCADE, related_name="subject_index")
     source = models.CharField(max_length=8, choices=Source.choices)
-    hashes = ArrayField(models.UUIDField(), default=list)
+    hashes = ArrayField(models.BigIntegerField(), default=list)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TenantManager()
@@ -616,18 +618,19 @@ class SubjectIndex(models.Model):
         ]
 
     @staticmethod
-    def keys(hashes: Iterable[str]) -> list[uuid.UUID]:
-        """The stored form of keyring.subject_hash values (64 hex digits -> their first 128
-        bits as a uuid), for `hashes__overlap` and the `&&` of raw SQL (`%s::uuid[]`);
-        anything not a hash matches nothing."""
+    def keys(hashes: Iterable[str]) -> list[int]:
+        """The stored form of keyring.subject_hash values (64 hex digits -> their first 64
+        bits as a signed bigint, as PostgreSQL reads `('x' || hex)::bit(64)::bigint`), for
+        `hashes__keys_overlap` and the `&&&` of raw SQL (`%s::bigint[]`); anything not a hash
+        matches nothing."""
         out = []
         for h in hashes:
             if isinstance(h, str) and len(h) == 64:
                 try:
-                    bytes.fromhex(h)
+                    raw = bytes.fromhex(h)
                 except ValueError:
                     continue
-                out.append(uuid.UUID(h[:32]))
+                out.append(int.from_bytes(raw[:8], "big", signed=True))
         return out
 
 
@@ -647,7 +650,7 @@ def subject_keys_operator(connection: Any = None) -> str:
                     "ON o.oid = i.indclass[0] "
                     "WHERE i.indexrelid = to_regclass('subjectindex_hashes')")
         row = cur.fetchone()
-    if row and row[0] == OPCLASS:
+    if row and row[0] in (OPCLASS, UUID_OPCLASS):
         return "&&&"
     global _warned_full_scan
     if not _warned_full_scan:
@@ -669,7 +672,7 @@ class KeysOverlap(Lookup):
         lhs, lhs_params = self.process_lhs(compiler, connection)
         rhs, rhs_params = self.process_rhs(compiler, connection)
         operator = subject_keys_operator(connection)
-        return f"{lhs} {operator} ({rhs})::uuid[]", [*lhs_params, *rhs_params]
+        return f"{lhs} {operator} ({rhs})::bigint[]", [*lhs_params, *rhs_params]
 
 
 class Reward(models.Model):

@@ -615,6 +615,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             writes.append(write)
             if ia.step_id in existing:
                 continue  # built before under this id (kept as it is: steps are immutable)
+            whole = dict(fields["observation"])  # _plan_history takes the history out
             columns = _plan_history(write, result, fields, histories[ia.trajectory_id])
             write.step = Step(
                 id=ia.step_id, tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
@@ -625,7 +626,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 training_eligible=ia.consent == Consent.TRAIN and fields["error"] is None,
                 **fields, **columns,
             )
-            compact_step_json(write.step)
+            compact_step_json(write.step, whole)
             write.findings.extend(packed_rows(ia.tenant_id, ia.step_id, result.findings, version))
             write.index_rows.extend(_index_rows(ia, result.identifiers))
             row = _header_row(ia, ia.step_id)

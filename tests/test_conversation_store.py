@@ -422,3 +422,46 @@ def test_items_are_indexed_by_trajectory_only_through_their_unique_index(db):
                     "WHERE trajectory_id = ANY(%s::uuid[])", [[str(uuid.uuid4())]])
         plan = "\n".join(r[0] for r in cur.fetchall())
     assert "convitem_traj_digest_version" in plan, plan
+
+
+def test_migration_0032_cuts_digests_and_a_live_trajectory_goes_on(tenant, agent, tmp_path,
+                                                                  transactional_db):
+    """Decision 40: item digests keep 128 bits (prefix + 32 hex digits), history digests too.
+    0032 cuts rows stored with 64 digits (simulated: today's digests, lengthened), and a call
+    of the trajectory after it finds every stored item again: it appends only its new
+    message and extends the last step."""
+    from django.core.management import call_command
+
+    traj = str(uuid.uuid4())
+    t = timezone.now().timestamp()
+    history = [SYSTEM, _user("Where is order 12?")]
+    ship_and_build(tmp_path / "a", [_call(tenant, agent, traj, history, t)])
+    history = history + [_assistant("ok"), _user("And order 13?")]
+    ship_and_build(tmp_path / "b", [_call(tenant, agent, traj, history, t + 1)])
+    items = dict(ConversationItem.objects.filter(trajectory_id=traj)
+                 .values_list("pk", "digest"))
+    chains = dict(Step.objects.filter(trajectory_id=traj).values_list("pk", "history_digest"))
+    assert {len(d) for d in items.values()} == {34}
+    assert {len(d) for d in chains.values()} == {32}
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        cur.execute("UPDATE governance_conversationitem SET digest = digest || md5(digest) "
+                    "WHERE trajectory_id = %s", [traj])
+        cur.execute("UPDATE governance_step SET history_digest = history_digest "
+                    "|| md5(history_digest) WHERE trajectory_id = %s", [traj])
+    call_command("migrate", "governance", "0031", verbosity=0)  # the reverse changes nothing
+    assert {len(d) for d in ConversationItem.objects.filter(trajectory_id=traj)
+            .values_list("digest", flat=True)} == {66}
+    call_command("migrate", "governance", verbosity=0)
+    assert dict(ConversationItem.objects.filter(trajectory_id=traj)
+                .values_list("pk", "digest")) == items
+    assert dict(Step.objects.filter(trajectory_id=traj)
+                .values_list("pk", "history_digest")) == chains
+
+    history = history + [_assistant("Both shipped."), _user("Thanks")]
+    ship_and_build(tmp_path / "c", [_call(tenant, agent, traj, history, t + 2)])
+    steps = _steps(traj)
+    assert len(steps) == 3 and steps[2].parent_step == steps[1].pk and steps[2].kept == 4
+    assert ConversationItem.objects.filter(trajectory_id=traj).count() == len(items) + 2
+    with tenant_context(tenant):
+        assert observations([steps[2]])[steps[2].pk]["messages"] == history

@@ -211,7 +211,7 @@ def world(tenant, other_tenant, make_member):
         add_findings(t, step, ["EMAIL_ADDRESS"], path="$.x")
         SubjectIndex.objects.create(tenant=t, trajectory=traj, step=step,
                                     interaction=step.interaction, source="step",
-                                    hashes=[uuid.uuid4()])
+                                    hashes=SubjectIndex.keys([uuid.uuid4().hex * 2]))
         job = TrainingJob.objects.create(tenant=t, dataset_version=v, reward_fn="exact_match",
                                          base_model="tiny-qwen2", base_model_path="/m")
         TrainingMetric.objects.create(tenant=t, job=job, step=1, reward_mean=0, reward_std=0,

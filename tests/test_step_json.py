@@ -84,5 +84,66 @@ def test_a_value_that_differs_from_the_column_is_kept_and_wins():
                              "gen_ai.response.finish_reasons": ["stop", "length"]}
     assert step.versions == {"gen_ai.response.model": ""} and step.usage == built[0]
     usage, versions, metadata = step_json(step)
-    assert (usage, versions) == built[:2]
+    # The observation hashes, which every build writes, are derived when a row lacks them
+    # (decision 40): none here, the observation has no system prompt or tools.
+    assert (usage, versions) == (built[0], {**built[1], "system_prompt_hash": None,
+                                            "tool_schema_hash": None})
     assert {k: metadata[k] for k in built[2]} == built[2]
+
+
+def test_observation_hashes_are_left_out_and_given_back_through_the_real_builder(
+        tenant, tmp_path):
+    """Decision 40: built through the conversation store, a step stores neither the system
+    prompt's hash nor the tool schemas' — the ATDP document computes them again from the
+    materialized observation, the same values the build made, for chat (system message) and
+    Responses (instructions); a step whose request had neither stores and shows None."""
+    import time
+    import uuid
+
+    from governance.capture.atdp import trajectory_document
+    from governance.capture.steps import canonical_json, sha256_hex
+    from governance.models import Trajectory
+    from governance.services import ensure_agent
+    from governance.tenancy import tenant_context
+    from tests.pipeline import chat_response, make_record, ship_and_build
+
+    agent = ensure_agent("system:test", tenant, "hash-bot")
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find an order",
+                                               "parameters": {"type": "object"}}}]
+    history = [{"role": "system", "content": "You track parcels."},
+               {"role": "user", "content": "Where is order 7?"}]
+    chat, bare, resp = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
+    t = time.time()
+    records = [
+        make_record(tenant.pk, agent.pk, trajectory_id=chat, t=t,
+                    request={"model": "m", "messages": history, "tools": tools},
+                    response=chat_response("Looking.")),
+        make_record(tenant.pk, agent.pk, trajectory_id=chat, t=t + 1,
+                    request={"model": "m", "tools": tools, "messages": history + [
+                        {"role": "assistant", "content": "Looking."},
+                        {"role": "user", "content": "Thanks"}]},
+                    response=chat_response("ok")),
+        make_record(tenant.pk, agent.pk, trajectory_id=bare, t=t + 2,
+                    response=chat_response("hello")),
+        make_record(tenant.pk, agent.pk, trajectory_id=resp, t=t + 3, endpoint="responses",
+                    request={"model": "m", "instructions": "Be brief.", "input": "hi"},
+                    response=RESPONSES),
+    ]
+    ship_and_build(tmp_path, records)
+    expected = {
+        chat: {"system_prompt_hash": sha256_hex("You track parcels."),
+               "tool_schema_hash": sha256_hex(canonical_json(tools))},
+        bare: {"system_prompt_hash": None, "tool_schema_hash": None},
+        resp: {"system_prompt_hash": sha256_hex("Be brief."), "tool_schema_hash": None},
+    }
+    for traj_id, hashes in expected.items():
+        with tenant_context(tenant):
+            steps = list(Step.objects.filter(trajectory_id=traj_id))
+            doc = trajectory_document(Trajectory.objects.select_related("tenant", "agent")
+                                      .get(pk=traj_id))
+        assert steps and doc["steps"]
+        for step in steps:
+            if step.history_digest or step.item_refs:  # stored through the store: left out
+                assert not set(hashes) & set(step.versions), step.versions
+        for s in doc["steps"]:
+            assert {k: s["versions"][k] for k in hashes} == hashes, (traj_id, s["versions"])

@@ -23,6 +23,7 @@ from governance.models import (
     Trajectory,
 )
 from governance.sanitizer import normalize_identifier
+from governance.subject_keys import OPCLASS
 from governance.tenancy import tenant_context
 from tests.pipeline import customer_session, ship_and_build
 
@@ -34,8 +35,8 @@ def agent(tenant):
     return ensure_agent("system:test", tenant, "index-bot")
 
 
-def _key(tenant, etype: str, value: str) -> uuid.UUID:
-    return uuid.UUID(subject_hash(tenant.pk, normalize_identifier(etype, value))[:32])
+def _key(tenant, etype: str, value: str) -> int:
+    return SubjectIndex.keys([subject_hash(tenant.pk, normalize_identifier(etype, value))])[0]
 
 
 def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
@@ -50,7 +51,7 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
     for r in rows:
         by_source.setdefault(r.source, []).append(r)
         assert len(r.hashes) == len(set(r.hashes)) >= 1
-        assert all(isinstance(h, uuid.UUID) for h in r.hashes)
+        assert all(isinstance(h, int) and -(1 << 63) <= h < (1 << 63) for h in r.hashes)
     # One header row per interaction, one row per conversation item with identifiers, one
     # row for what the first response named; the customer message's identifiers share a row.
     assert len(by_source["header"]) == 2
@@ -182,9 +183,11 @@ def test_migration_0023_keys_rows_by_128_bits_and_reverses_only_when_told(
             for subject in ("ana@example.com", "+1 415 555 0199"):
                 assert _find_trajectories(cursor, tenant.pk, lookup_hashes(tenant.pk, subject),
                                           10) == [str(traj.pk)], subject
-    assert keyed == {"step": [uuid.UUID(email[:32]), uuid.UUID(phone[:32])],
-                     "header": [uuid.UUID(header[:32])], "scan": []}
-    assert keyed["step"] == SubjectIndex.keys([email, phone])
+    # Keyed by 128 bits at 0023, by their first 64 at 0031 (decision 40).
+    assert keyed == {"step": SubjectIndex.keys([email, phone]),
+                     "header": SubjectIndex.keys([header]), "scan": []}
+    assert keyed["step"] == [int.from_bytes(bytes.fromhex(h[:16]), "big", signed=True)
+                             for h in (email, phone)]
 
     def column_type() -> str:
         with connection.cursor() as cur:
@@ -192,11 +195,15 @@ def test_migration_0023_keys_rows_by_128_bits_and_reverses_only_when_told(
                         "attrelid = 'governance_subjectindex'::regclass AND attname = 'hashes'")
             return cur.fetchone()[0]
 
+    with pytest.raises(RuntimeError, match="governance 0031 .*STEWARD_MIGRATION_ACCEPT_LOSS"):
+        call_command("migrate", "governance", "0022", verbosity=0)
+    assert column_type() == "bigint[]"  # refused before anything changed
+    monkeypatch.setenv("STEWARD_MIGRATION_ACCEPT_LOSS", "subject-index-keys64")
     with pytest.raises(RuntimeError, match="governance 0023 .*STEWARD_MIGRATION_ACCEPT_LOSS"):
         call_command("migrate", "governance", "0022", verbosity=0)
-    assert column_type() == "uuid[]"  # refused before anything changed
+    assert column_type() == "uuid[]"  # 0031 reversed, 0023 refused before anything changed
 
-    monkeypatch.setenv("STEWARD_MIGRATION_ACCEPT_LOSS", "subject-index-keys")
+    monkeypatch.setenv("STEWARD_MIGRATION_ACCEPT_LOSS", "subject-index-keys64,subject-index-keys")
     call_command("migrate", "governance", "0022", verbosity=0)
     assert column_type() == "bytea[]"
     with connection.cursor() as cur:
@@ -205,8 +212,10 @@ def test_migration_0023_keys_rows_by_128_bits_and_reverses_only_when_told(
                     "WHERE trajectory_id = %s", [traj.pk])
         back = {source: (types, [bytes(x).hex() for x in hashes])
                 for source, types, hashes in cur.fetchall()}
-    assert back == {"step": (["UNKNOWN", "UNKNOWN"], [email[:32], phone[:32]]),
-                    "header": (["SUBJECT_HEADER"], [header[:32]]), "scan": ([], [])}
+    # 64 bits kept, then zeros: what 0031's reverse could give back.
+    assert back == {"step": (["UNKNOWN", "UNKNOWN"], [email[:16] + "0" * 16,
+                                                      phone[:16] + "0" * 16]),
+                    "header": (["SUBJECT_HEADER"], [header[:16] + "0" * 16]), "scan": ([], [])}
     call_command("migrate", "governance", verbosity=0)
     with tenant_context(tenant):
         assert {r.source: r.hashes for r in SubjectIndex.objects.filter(trajectory=traj)} \
@@ -236,11 +245,12 @@ def _plan(sql: str, params: list) -> str:
 
 
 def test_lookups_use_the_gin_index_under_row_level_security(tenant, agent, tmp_path,
-                                                            transactional_db, monkeypatch):
-    """Decision 38, migration 0025: under the services' role (forced row-level security) a
-    non-leakproof `&&` can never be an index condition — every lookup read the whole subject
-    index — while the leakproof `&&&` uses subjectindex_hashes. Migrated back to 0024 (or by
-    a role that may not declare LEAKPROOF) the lookups fall back to `&&` with the same answers."""
+                                                            transactional_db):
+    """Decisions 38 and 40, migrations 0025 and 0031: under the services' role (forced
+    row-level security) a non-leakproof `&&` can never be an index condition — every lookup
+    read the whole subject index — while the leakproof `&&&` uses subjectindex_hashes. With the
+    index built without the class (a role that may not declare LEAKPROOF) the lookups fall
+    back to `&&` with the same answers."""
     from governance.erasure import _find_trajectories
     from governance.models import subject_keys_operator
 
@@ -265,14 +275,20 @@ def test_lookups_use_the_gin_index_under_row_level_security(tenant, agent, tmp_p
         return by_sql, by_orm
 
     assert found() == ([traj], [traj])
-    # Back past 0026, whose reverse refuses while placeholder deltas exist (decision 39).
-    monkeypatch.setenv("STEWARD_MIGRATION_ACCEPT_LOSS", "placeholder-keys")
-    call_command("migrate", "governance", "0024", verbosity=0)
+    # The index as a role that may not declare LEAKPROOF builds it (0025, 0031 without a
+    # superuser): the default operator class.
+    index = ("CREATE INDEX subjectindex_hashes ON governance_subjectindex USING gin "
+             "(hashes{}) WITH (fastupdate = off)")
+    with connection.cursor() as cur:
+        cur.execute("DROP INDEX subjectindex_hashes")
+        cur.execute(index.format(""))
     try:
         assert subject_keys_operator() == "&&"
         assert found() == ([traj], [traj])
     finally:
-        call_command("migrate", "governance", verbosity=0)
+        with connection.cursor() as cur:
+            cur.execute("DROP INDEX subjectindex_hashes")
+            cur.execute(index.format(f" {OPCLASS}"))
     assert subject_keys_operator() == "&&&"
 
 

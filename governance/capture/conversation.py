@@ -10,7 +10,10 @@ content sent as one-off calls). Now:
   list and `instructions` get a digest: a keyed hash (keyring.content_hasher, per tenant) of
   its kind and its exact canonical JSON (sorted keys, no whitespace), prefixed `m:`, `t:`,
   `i:`. One changed byte is another message; the same message twice in one history is one item
-  referenced twice.
+  referenced twice. A digest keeps the HMAC's first 128 bits (DIGEST_HEX, decision 40): it only
+  has to tell apart the items of one trajectory, where a collision is never even likely
+  (~1e-27 at a million items), and each digest is stored twice, in the row and its unique
+  index; the history digests likewise.
 - **Parents.** A step's `history_digest` chains its history's digests (`chain_digests`); a
   new call looks up the chain digests of all its prefixes among the trajectory's steps and
   extends the step with the longest one (`kept` of its messages, then `appended`). A branch —
@@ -43,6 +46,8 @@ import orjson
 # stored in the observation as it is).
 HISTORY_KEYS = {"chat.completions": "messages", "responses": "input"}
 KIND_PREFIX = {"message": "m:", "tools": "t:", "instructions": "i:"}
+# Hex digits kept of an item's keyed hash and of a history's chain digest (128 bits).
+DIGEST_HEX = 32
 # Keys of the observation whose values live in items; the order observations are rebuilt in.
 OBSERVATION_ORDER = ("messages", "prompt", "input", "instructions", "previous_response_id",
                      "tools", "tool_choice", "params")
@@ -94,6 +99,11 @@ def history_of(endpoint: str, request: dict | None, digest: Callable[[bytes], st
     hist = History()
     if not isinstance(request, dict):
         return hist
+    keyed = digest
+
+    def digest(content: bytes) -> str:  # the address: its first DIGEST_HEX hex digits
+        return keyed(content)[:DIGEST_HEX]
+
     key = HISTORY_KEYS.get(endpoint)
     if key is not None and isinstance(request.get(key), list):
         hist.key = key
@@ -142,7 +152,7 @@ def chain_digests(digests: Sequence[str]) -> list[str]:
     prev = b""
     for d in digests:
         prev = hashlib.sha256(prev + b"|" + d.encode()).digest()
-        out.append(prev.hex())
+        out.append(prev.hex()[:DIGEST_HEX])
     return out
 
 

@@ -576,9 +576,28 @@ def _derivable(step: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return metadata, versions
 
 
-def compact_step_json(step: Any) -> None:
-    """Leave out of a step about to be stored what `step_json` gives back the same."""
+# The two 64-hex hashes of `versions` (~170 bytes of JSON a step) are functions of the step's
+# observation, which the conversation store gives back whole (decision 40): left out when they
+# equal what the observation gives, computed again when read.
+OBSERVATION_HASHES = ("system_prompt_hash", "tool_schema_hash")
+
+
+def observation_hashes(endpoint: str, observation: dict) -> dict[str, str | None]:
+    """`versions`' system prompt and tool schema hashes as `versions_of` computes them from a
+    request, from the observation that holds the same messages, input, instructions and tools."""
+    system = system_prompt_text(endpoint, observation)
+    tools = observation.get("tools")
+    return {"system_prompt_hash": sha256_hex(system) if system is not None else None,
+            "tool_schema_hash": sha256_hex(canonical_json(tools)) if tools else None}
+
+
+def compact_step_json(step: Any, observation: dict | None = None) -> None:
+    """Leave out of a step about to be stored what `step_json` gives back the same.
+    `observation`: the step's whole observation as built (the store keeps its history apart),
+    for the hashes it determines; without it they are kept."""
     metadata, versions = _derivable(step)
+    if observation is not None:
+        versions.update(observation_hashes(step.endpoint, observation))
     step.metadata = {k: v for k, v in (step.metadata or {}).items()
                      if k not in metadata or metadata[k] != v}
     step.versions = {k: v for k, v in (step.versions or {}).items()
@@ -594,8 +613,11 @@ def step_json(step: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]
     (stored before decision 39, or never part of it) is one the build always wrote when its
     source was there: the column, or the action's finish reason."""
     metadata, versions = _derivable(step)
+    stored = step.versions or {}
+    if any(k not in stored for k in OBSERVATION_HASHES):
+        # Left out by compact_step_json (decision 40): from the materialized observation.
+        versions.update(observation_hashes(step.endpoint, step.observation or {}))
     usage = step.usage or {}
     if set(usage) == {"raw"}:
         usage = otel_usage(usage["raw"])
-    return (usage, {**versions, **(step.versions or {})},
-            {**metadata, **(step.metadata or {})})
+    return (usage, {**versions, **stored}, {**metadata, **(step.metadata or {})})

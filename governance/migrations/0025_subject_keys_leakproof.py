@@ -10,7 +10,10 @@ dropped when a superuser reverses."""
 
 from django.db import migrations
 
-from governance.subject_keys import CREATE_SQL, DROP_SQL, OPCLASS
+# The uuid[] class: the keys' type from 0023 to 0031 (decision 40 moved them to bigint[]).
+from governance.subject_keys import UUID_CREATE_SQL as CREATE_SQL
+from governance.subject_keys import UUID_DROP_SQL as DROP_SQL
+from governance.subject_keys import UUID_OPCLASS as OPCLASS
 
 INDEX = ("CREATE INDEX subjectindex_hashes ON governance_subjectindex USING gin (hashes{}) "
          "WITH (fastupdate = off)")
