@@ -71,8 +71,11 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
     assert set(runs) == {"one-off", "session"}
     for run in (*runs.values(), shape["paced"]):
         assert run["calls"] == run["steps"] == 3
-        assert run["db_growth_bytes"] > 0 and run["atdp_bytes"] > 0
+        # Growth is counted in whole pages: three small calls may fit in pages that earlier
+        # runs (the warm-up's too) left room in; all of them together do not.
+        assert run["db_growth_bytes"] >= 0 and run["atdp_bytes"] > 0
         assert run["time_to_sanitized_s"] > 0 and run["lag_p95_s"] is not None
+    assert sum(r["db_growth_bytes"] for r in (*runs.values(), shape["paced"])) > 0
     # One trajectory of three steps for the session, three of one for the one-off calls.
     assert (runs["session"]["trajectories"], runs["session"]["steps_per_trajectory"]) == (1, [3, 3])
     assert (runs["one-off"]["trajectories"], runs["one-off"]["steps_per_trajectory"]) == (3, [1, 1])

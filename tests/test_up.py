@@ -230,8 +230,8 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
             assert login.status_code == 200
 
         # Subject lookups can use their index under row-level security: the leakproof key
-        # operator class exists (made by the embedded set-up as its superuser, or by migration
-        # 0025 run as one) and the index is built with it (decision 38).
+        # operator class exists (made by the embedded set-up as its superuser, or by migrations
+        # 0025 and 0031 run as one) and the index is built with it (decisions 38, 40).
         if database_url is None:
             from config.embedded import embedded_database_urls
 
@@ -242,7 +242,9 @@ def run_appliance(tmp_path: Path, database_url: str | None) -> None:
             opclass = conn.execute(
                 "SELECT o.opcname FROM pg_index i JOIN pg_opclass o ON o.oid = i.indclass[0] "
                 "WHERE i.indexrelid = 'subjectindex_hashes'::regclass").fetchone()
-        assert opclass == ("steward_uuid_keys_ops",), opclass
+        from governance.subject_keys import OPCLASS
+
+        assert opclass == (OPCLASS,), opclass
 
         run_info = json.loads((var / "run" / "up.json").read_text())
         names = {c["name"] for c in run_info["children"]}
