@@ -17,6 +17,7 @@ from tests.bench.long_sessions import (
     assistant_for,
     message_bytes,
     new_texts,
+    presidio_texts,
     request_messages,
     script,
 )
@@ -51,6 +52,28 @@ def test_session_and_one_off_carry_the_same_new_messages():
     # Seeded: the same bodies every run, other seeds other people.
     assert script(7, 6, 2048) == turns
     assert script(8, 6, 2048)[1] != turns[1]
+
+
+def test_the_presidio_research_corpus_gives_the_new_content():
+    """--corpus presidio-research: the user message and every tool result are that corpus's
+    texts, consecutive across the session (none repeated), sized as --new-kb asks."""
+    texts = presidio_texts()
+    assert len(texts) == 1500
+    turns = script(7, 8, 2048, "presidio-research")
+    assert script(7, 8, 2048, "presidio-research") == turns
+    assert turns[0][0]["content"].endswith(tuple(texts))
+    seen: list[str] = []
+    for k in range(1, 8):
+        reply, tool = turns[k]
+        assert reply == assistant_for(turns[k - 1][-1])
+        assert tool["tool_call_id"] == reply["tool_calls"][0]["id"]
+        assert 1800 <= message_bytes(turns[k]) <= 2600
+        notes = json.loads(tool["content"])["notes"]
+        assert all(n["text"] == texts[int(n["id"][2:])] for n in notes)
+        seen += [n["id"] for n in notes]
+    assert len(seen) == len(set(seen))
+    assert [int(i[2:]) for i in seen] == [
+        (int(seen[0][2:]) + j) % len(texts) for j in range(len(seen))]
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:

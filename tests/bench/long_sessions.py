@@ -1,7 +1,8 @@
 """Long agent sessions through the real appliance, against the same new content as one-off calls.
 
     .venv/bin/python tests/bench/long_sessions.py [--shapes 10,60,200] [--sessions 2]
-        [--new-kb 3 | --context-kb 100] [--inferred] [--paced-shape 60] [--quick]
+        [--new-kb 3 | --context-kb 100] [--corpus generated|presidio-research] [--inferred]
+        [--paced-shape 60] [--quick]
 
 An agent resends its whole conversation with every call. This bench measures what that costs the
 appliance as it is: the real proxy (`mitmdump -s proxy/addon.py`), the real shipper
@@ -16,6 +17,9 @@ assistant's tool call (arguments carry an email from the last tool result) and a
 customer records with personal data (names, emails, phones, postal addresses, notes; planted with
 tests/bench/corpus.py's generator), about `--new-kb` of new content per call. `--context-kb K`
 instead sizes each shape's new content so that its last call carries about K KB of context.
+`--corpus presidio-research` takes the first user message and the tool results (support notes)
+from text nobody here wrote instead: presidio-research's synthetic PII sentences
+(tests/bench/data/synth_dataset_v2.json, MIT), consecutive from a seeded offset.
 
 For each shape (calls per session) and `--sessions` sessions sent concurrently (each session by
 its own thread, a call as soon as the previous one was answered):
@@ -63,6 +67,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import statistics
@@ -234,13 +239,57 @@ def tool_message(g: Any, call: dict, size: int) -> dict:
     return {"role": "tool", "tool_call_id": call["id"], "content": dump()}
 
 
+# --corpus presidio-research: tool results made of text nobody here wrote (presidio-research's
+# synthetic PII sentences, MIT, tests/bench/data/README.md), in the order of the file.
+PRESIDIO_SYNTH = REPO / "tests" / "bench" / "data" / "synth_dataset_v2.json"
+CORPORA = ("generated", "presidio-research")
+
+
+def presidio_texts() -> list[str]:
+    """presidio-research's 1,500 `full_text`s, as the file has them."""
+    return [row["full_text"] for row in json.loads(PRESIDIO_SYNTH.read_text())]
+
+
+def notes_message(texts: list[str], start: int, call: dict, size: int) -> tuple[dict, int]:
+    """The result of `call` as a support tool returns notes: corpus texts `start`, `start + 1`,
+    ... (wrapping around) until the content holds about `size` bytes; returns the message and
+    the next text's index."""
+    notes: list[dict] = []
+
+    def dump() -> str:
+        return json.dumps({"tool": call["function"]["name"], "matches": len(notes),
+                           "notes": notes})
+
+    i = start
+    while not notes or len(dump()) < size:
+        notes.append({"id": f"N-{i % len(texts)}", "text": texts[i % len(texts)]})
+        i += 1
+    return {"role": "tool", "tool_call_id": call["id"], "content": dump()}, i
+
+
 def message_bytes(messages: list[dict]) -> int:
     return len(json.dumps(messages).encode())
 
 
-def script(seed: int, calls: int, new_bytes: int) -> list[list[dict]]:
+def script(seed: int, calls: int, new_bytes: int, corpus: str = "generated"
+           ) -> list[list[dict]]:
     """The new messages of each call of one session: call 0 a user message, call k >= 1 the
-    assistant's answer to call k-1 (assistant_for) and the result of the tool it called."""
+    assistant's answer to call k-1 (assistant_for) and the result of the tool it called.
+    `corpus` "presidio-research": the user message and the tool results are that corpus's
+    texts (from a seeded offset) instead of the generator's customer records."""
+    if corpus == "presidio-research":
+        texts = presidio_texts()
+        start = random.Random(seed).randrange(len(texts))
+        first = {"role": "user", "content": "Please go through the notes of these customers "
+                 "and fix what you can. The first one: " + texts[start]}
+        turns = [[first]]
+        last, nxt = first, start + 1
+        for _ in range(1, calls):
+            reply = assistant_for(last)
+            size = max(200, new_bytes - message_bytes([reply]))
+            last, nxt = notes_message(texts, nxt, reply["tool_calls"][0], size)
+            turns.append([reply, last])
+        return turns
     from tests.bench.corpus import Gen
 
     g = Gen(seed)
@@ -601,7 +650,7 @@ def bench(args: argparse.Namespace) -> dict:
         loaded: dict[str, Any] = {}
         loader = threading.Thread(target=lambda: loaded.update(nlp=load_nlp(True)))
         loader.start()
-        warm = [script(1, 2, 1024)]
+        warm = [script(1, 2, 1024, args.corpus)]
         t0 = time.monotonic()
         run(app, "bench-warmup", warm, "session", None, args.drain_timeout)
         app.warmup_s = round(time.monotonic() - t0, 1)
@@ -610,7 +659,8 @@ def bench(args: argparse.Namespace) -> dict:
         shapes: list[dict] = []
         for n in args.shapes:
             kb = new_kb_for(args, n)
-            scripts = [script(1000 * n + i, n, int(kb * 1024)) for i in range(args.sessions)]
+            scripts = [script(1000 * n + i, n, int(kb * 1024), args.corpus)
+                       for i in range(args.sessions)]
             runs = {m: run(app, agent_name(n, m), scripts, m, None, args.drain_timeout)
                     for m in modes}
             for m in modes:
@@ -628,7 +678,7 @@ def bench(args: argparse.Namespace) -> dict:
             print(shape_table(entry), flush=True)
         failed = list(app.failed)
         warmup_s = app.warmup_s
-    return {"shapes": shapes, "failed": failed, "warmup_s": warmup_s,
+    return {"corpus": args.corpus, "shapes": shapes, "failed": failed, "warmup_s": warmup_s,
             "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
@@ -765,6 +815,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "a turn (tool call + one customer record) is at least ~0.6 KB, so "
                          "200 calls reach ~130 KB at the least (the table prints the context "
                          "reached)")
+    ap.add_argument("--corpus", choices=CORPORA, default="generated",
+                    help="what the tool results (and the first user message) hold: "
+                         "'generated', customer records planted by tests/bench/corpus.py "
+                         "(default), or 'presidio-research', that project's synthetic PII "
+                         "sentences (tests/bench/data, written by nobody here) as support "
+                         "notes")
     ap.add_argument("--inferred", action="store_true",
                     help="also run each session without X-Steward-Session (the proxy infers "
                          "the trajectory from the conversation prefix)")
@@ -812,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
     result = bench(args)
     print(summary_table(result))
     print(f"\nwall {result['wall_s']} s, warm-up {result['warmup_s']} s, {result['cpus']} CPUs, "
-          f"load average {result['load_avg_1m']}")
+          f"load average {result['load_avg_1m']}, corpus {result['corpus']}")
     for line in result["failed"]:
         print(f"FAILED: {line}")
     print(json.dumps(result))
