@@ -465,3 +465,59 @@ def test_migration_0032_cuts_digests_and_a_live_trajectory_goes_on(tenant, agent
     assert ConversationItem.objects.filter(trajectory_id=traj).count() == len(items) + 2
     with tenant_context(tenant):
         assert observations([steps[2]])[steps[2].pk]["messages"] == history
+
+
+def test_items_hold_zlib_json_and_migration_0033_converts_both_ways(tenant, agent, tmp_path,
+                                                                   transactional_db):
+    """Decision 40: an item's content is stored as zlib over its JSON (a bytea), read back as
+    the same value by every reader; 0033 converts JSONB rows to it and back, exactly."""
+    import zlib
+
+    from django.core.management import call_command
+
+    traj = str(uuid.uuid4())
+    notes = _user("Notes: " + "; ".join(f"order {i} shipped to the warehouse" for i in range(40)))
+    history = [SYSTEM, notes]
+    ship_and_build(tmp_path, [_call(tenant, agent, traj, history, timezone.now().timestamp())])
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('steward.system', 'on', false)")
+        cur.execute("SELECT content FROM governance_conversationitem WHERE trajectory_id = %s",
+                    [traj])
+        blobs = [bytes(r[0]) for r in cur.fetchall()]
+    assert blobs and all(b[:1] == b"\x78" for b in blobs)
+    longest = max(blobs, key=len)
+    assert len(longest) < 0.5 * len(zlib.decompress(longest))
+    with tenant_context(tenant):
+        assert observations(_steps(traj))[_steps(traj)[0].pk]["messages"] == history
+
+    values = [{"role": "user", "content": "naïve ☃ <PERSON_1>", "n": [1, 2.5, None, True]},
+              [{"type": "function", "function": {"name": "f"}}], "Be brief."]
+    call_command("migrate", "governance", "0032", verbosity=0)
+    try:
+        with connection.cursor() as cur:
+            cur.execute("SELECT set_config('steward.system', 'on', false)")
+            cur.execute("SELECT pg_typeof(content)::text FROM governance_conversationitem "
+                        "WHERE trajectory_id = %s LIMIT 1", [traj])
+            assert cur.fetchone()[0] == "jsonb"  # the built items, converted back
+            for i, value in enumerate(values):
+                cur.execute("INSERT INTO governance_conversationitem (tenant_id, trajectory_id, "
+                            "kind, digest, sanitizer_version, content, created_at) VALUES "
+                            "(%s, %s, 'message', %s, 'v', %s::jsonb, now())",
+                            [tenant.pk, traj, f"m:old{i}", orjson.dumps(value).decode()])
+    finally:
+        call_command("migrate", "governance", verbosity=0)
+    stored = dict(ConversationItem.objects.filter(trajectory_id=traj, digest__startswith="m:old")
+                  .values_list("digest", "content"))
+    assert stored == {f"m:old{i}": v for i, v in enumerate(values)}
+    with tenant_context(tenant):
+        assert observations(_steps(traj))[_steps(traj)[0].pk]["messages"] == history
+    call_command("migrate", "governance", "0032", verbosity=0)
+    try:
+        with connection.cursor() as cur:
+            cur.execute("SELECT set_config('steward.system', 'on', false)")
+            cur.execute("SELECT digest, content::text FROM governance_conversationitem "
+                        "WHERE digest LIKE 'm:old%%'")
+            back = {d: orjson.loads(c) for d, c in cur.fetchall()}
+        assert back == stored
+    finally:
+        call_command("migrate", "governance", verbosity=0)

@@ -97,9 +97,25 @@ def all_rows_text(trajectory_ids: list[str]) -> str:
                     "WHERE x.trajectory_id::text = ANY(%s)", [ids]),
         stored_text("SELECT row_to_json(t)::text FROM governance_trajectory t "
                     "WHERE t.id::text = ANY(%s)", [ids]),
-        stored_text("SELECT row_to_json(c)::text FROM governance_conversationitem c "
+        # Items' content is zlib'd JSON (decision 40): read as the values it holds.
+        stored_text("SELECT row_to_json(c)::text FROM (SELECT id, tenant_id, trajectory_id, "
+                    "kind, digest, sanitizer_version, first_step, created_at "
+                    "FROM governance_conversationitem) c "
                     "WHERE c.trajectory_id::text = ANY(%s)", [ids]),
+        item_contents_text(ids),
     ])
+
+
+def item_contents_text(trajectory_ids: list[str]) -> str:
+    """The conversation items' content (zlib'd JSON, decision 40) as JSON text, read as the
+    superuser outside any scope."""
+    from governance.models import PackedJSONField
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT content FROM governance_conversationitem "
+                    "WHERE trajectory_id::text = ANY(%s)", [trajectory_ids])
+        return "\n".join(json.dumps(PackedJSONField.unpack(row[0]), ensure_ascii=False)
+                         for row in cur.fetchall())
 
 
 def assert_clean(text: str) -> None:
