@@ -7,6 +7,7 @@ var/ and spool directories contain the subject's email in clear."""
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import time
 from datetime import timedelta
@@ -32,6 +33,7 @@ from governance.models import (
     ErasureRequest,
     Finding,
     Interaction,
+    PackedJSONField,
     Reward,
     Step,
     SubjectIndex,
@@ -440,6 +442,11 @@ def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_mem
             capture_output=True, check=True).stdout
         assert len(dump) > 10_000 and b"governance_erasurerequest" in dump
         assert EMAIL.encode() not in dump.lower()
+        # Conversation items' content is zlib'd in the dump (decision 40): read it decoded.
+        with connection.cursor() as cur:
+            cur.execute("SELECT content FROM governance_conversationitem")
+            items = [PackedJSONField.unpack(row[0]) for row in cur.fetchall()]
+        assert EMAIL not in json.dumps(items, ensure_ascii=False).lower()
         for root in (var_dir, steward_proxy.spool_dir):
             assert _files_containing(root, EMAIL.encode()) == []
 
