@@ -484,12 +484,10 @@ class PackedJSONField(models.BinaryField):
         return None if value is None else self.unpack(value)
 
     def to_python(self, value: Any) -> Any:
+        # A str is a JSON value like any other here (an `instructions` item is one), never a
+        # serialized form: value_to_string hands serializers the value itself, as JSONField.
         if isinstance(value, (bytes, memoryview)):
             return self.unpack(value)
-        if isinstance(value, str):  # serialized (value_to_string): the JSON text
-            import orjson
-
-            return orjson.loads(value)
         return value
 
     def get_db_prep_value(self, value: Any, connection: Any, prepared: bool = False) -> Any:
@@ -497,10 +495,8 @@ class PackedJSONField(models.BinaryField):
             return None
         return super().get_db_prep_value(self.pack(value), connection, prepared)
 
-    def value_to_string(self, obj: Any) -> str:
-        import orjson
-
-        return orjson.dumps(self.value_from_object(obj)).decode()
+    def value_to_string(self, obj: Any) -> Any:
+        return self.value_from_object(obj)
 
 
 class ConversationItem(models.Model):
