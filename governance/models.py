@@ -10,6 +10,7 @@ side).
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -463,14 +464,27 @@ class PackedJSONField(models.BinaryField):
     blob is a zlib stream (first byte 0x78); another first byte would be another format."""
 
     description = "JSON, zlib-compressed"
+    # A NUL character in a JSON string: `\u0000` after an even number of backslashes (an odd
+    # number in all starts the escape).
+    _NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
-    @staticmethod
-    def pack(value: Any) -> bytes:
+    @classmethod
+    def pack(cls, value: Any) -> bytes:
+        """zlib over the value's JSON. Refuses, as JSONB does (DataError), a string holding
+        NUL: what PostgreSQL cannot hold as JSON stays refused at the same place (the step
+        builder quarantines that call), nothing later copies one into a JSONB column, and
+        migration 0033's reverse never meets one."""
         import zlib
 
         import orjson
 
-        return zlib.compress(orjson.dumps(value), 6)
+        data = orjson.dumps(value)
+        if cls._NUL.search(data):
+            from django.db import DataError
+
+            raise DataError("unsupported Unicode escape sequence: \\u0000 cannot be stored "
+                            "in a JSON value")
+        return zlib.compress(data, 6)
 
     @staticmethod
     def unpack(blob: bytes | memoryview) -> Any:

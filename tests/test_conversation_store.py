@@ -490,6 +490,18 @@ def test_items_hold_zlib_json_and_migration_0033_converts_both_ways(tenant, agen
     with tenant_context(tenant):
         assert observations(_steps(traj))[_steps(traj)[0].pk]["messages"] == history
 
+    # What JSONB refuses stays refused (the step builder quarantines such a call); a literal
+    # backslash-u0000 is text like any other.
+    from django.db import DataError
+
+    from governance.models import PackedJSONField
+
+    for refused in ("a\x00b", {"k": ["\\\x00"]}):
+        with pytest.raises(DataError):
+            PackedJSONField.pack(refused)
+    for text in ("\\u0000", {"path": "C:\\\\u0000"}):
+        assert PackedJSONField.unpack(PackedJSONField.pack(text)) == text
+
     values = [{"role": "user", "content": "naïve ☃ <PERSON_1>", "n": [1, 2.5, None, True]},
               [{"type": "function", "function": {"name": "f"}}], "Be brief."]
     call_command("migrate", "governance", "0032", verbosity=0)
