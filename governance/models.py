@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
+import orjson
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import GinIndex
 from django.core.exceptions import ObjectDoesNotExist
-from django.db import models
+from django.db import DataError, models
 from django.db.models import Lookup
 
 # The scoped manager of every tenant model: it filters by the current tenant scope itself.
@@ -474,24 +476,14 @@ class PackedJSONField(models.BinaryField):
         NUL: what PostgreSQL cannot hold as JSON stays refused at the same place (the step
         builder quarantines that call), nothing later copies one into a JSONB column, and
         migration 0033's reverse never meets one."""
-        import zlib
-
-        import orjson
-
         data = orjson.dumps(value)
         if cls._NUL.search(data):
-            from django.db import DataError
-
             raise DataError("unsupported Unicode escape sequence: \\u0000 cannot be stored "
                             "in a JSON value")
         return zlib.compress(data, 6)
 
     @staticmethod
     def unpack(blob: bytes | memoryview) -> Any:
-        import zlib
-
-        import orjson
-
         return orjson.loads(zlib.decompress(bytes(blob)))
 
     def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:

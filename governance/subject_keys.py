@@ -9,11 +9,12 @@ answer), `&&&` its operator, and OPCLASS a GIN operator class with the built-in 
 functions whose strategy 1 is it. The keys are bigint[] since migration 0031 (OPCLASS); the
 uuid[] class (UUID_OPCLASS) is what migrations 0025-0030 build, and stays for them.
 
-Declaring LEAKPROOF and creating an operator class need a superuser. CREATE_SQL (idempotent,
-both classes) is run by migrations 0025 and 0031 when they migrate as one (tests, compose's
-POSTGRES_USER) and by the embedded appliance's set-up as its bootstrap superuser
-(config/embedded.py: its owner role is not one). Elsewhere a DBA runs it as a superuser before
-migrating. The migrations build subjectindex_hashes with the class whenever it exists.
+Declaring LEAKPROOF and creating an operator class need a superuser. Migration 0025 runs
+UUID_CREATE_SQL and 0031 INT8_CREATE_SQL when they migrate as one (tests, compose's
+POSTGRES_USER); the embedded appliance's set-up runs CREATE_SQL (both, idempotent) as its
+bootstrap superuser (config/embedded.py: its owner role is not one), and elsewhere a DBA runs
+CREATE_SQL as a superuser before migrating. Each migration builds subjectindex_hashes with its
+class whenever that class exists.
 """
 
 OPCLASS = "steward_int8_keys_ops"
