@@ -65,9 +65,11 @@ from governance.capture.findings import packed_rows
 from governance.capture.placeholders import read_states, write_deltas
 from governance.capture.rawstore import (
     RawPayloadUnavailable,
+    RecentBodies,
     decode_body,
     delta_bases,
     insert_ignore_conflicts,
+    known_flows,
     open_raw,
     rebase_dependents,
 )
@@ -153,6 +155,8 @@ PENDING_BATCH = 100
 PENDING_MAX = 10_000
 # Interactions per sanitizer batch (one NER pass, one transaction).
 BATCH_MAX = 64
+# This worker process's last opened call of each trajectory (rawstore.RecentBodies).
+RECENT_BODIES = RecentBodies()
 
 
 def _quarantine(ia: Interaction, reason: str) -> None:
@@ -558,14 +562,17 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 index_rows.append(row)
 
         parsed: list[tuple[Interaction, Exchange]] = []
-        bodies: dict[str, bytes] = {}
-        bases = delta_bases(claimed)
-        for ia in claimed:
+        # Chains end at the last call this process opened of each trajectory (RecentBodies).
+        bodies = RECENT_BODIES.seed({(ia.tenant_id, ia.trajectory_id) for ia in claimed})
+        bases = delta_bases(claimed, known_flows(bodies))
+        for ia in claimed:  # in call order: the last opened of a trajectory is kept
             outcome = _open(ia, bodies, bases)
             if isinstance(outcome, str):
                 quarantine(ia, outcome, index=not outcome.startswith("raw payload"))
+                RECENT_BODIES.forget((ia.tenant_id, ia.trajectory_id))
             else:
                 parsed.append((ia, outcome))
+                RECENT_BODIES.remember((ia.tenant_id, ia.trajectory_id), ia.flow_id, bodies)
 
         trajectories, states, before, known, sanitized, failed = _sanitize_unlocked(tenant,
                                                                                      parsed)

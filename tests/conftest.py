@@ -22,6 +22,17 @@ def fast_password_hashing(settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
+@pytest.fixture(autouse=True)
+def fresh_recent_bodies():
+    """The step builder's per-process cache of opened calls (rawstore.RecentBodies) starts
+    empty in each test: a test's rows are rolled back after it, and a later test may reuse a
+    flow id that the cache still holds (in production flow ids are unique and rows stay)."""
+    from governance import tasks
+
+    tasks.RECENT_BODIES = tasks.RecentBodies()
+    yield
+
+
 @pytest.fixture
 def tenant(db):
     from governance.services import create_tenant

@@ -327,8 +327,7 @@ def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, a
     import zlib
 
     from governance.capture.rawstore import (
-        DELTA_CHAIN_MAX,
-        RAW4_MAGIC,
+        RAW5_MAGIC,
         decode_body,
         open_raw,
         packed_base,
@@ -347,12 +346,12 @@ def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, a
         for row in rows:  # each opened alone: its base chain from the database
             assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
     deltas = [r for r in rows if r.raw_base_flow]
-    assert len(deltas) >= 40 - 2 - 40 // DELTA_CHAIN_MAX - 1  # each batch starts whole
-    # Each delta is compressed against its base (format 4, decision 39) and opens only with
-    # that base's dictionary.
+    assert len(deltas) == 40 - 2  # each batch starts whole
+    # Each delta is compressed against its base (format 5, decisions 39 and 41) and opens only
+    # with that base's dictionary.
     for row in deltas:
         plaintext = _plaintext(row)
-        assert plaintext.startswith(RAW4_MAGIC) and packed_base(plaintext) == row.raw_base_flow
+        assert plaintext.startswith(RAW5_MAGIC) and packed_base(plaintext) == row.raw_base_flow
     with pytest.raises(ValueError):
         unpack_raw(_plaintext(deltas[-1]))
     with pytest.raises(zlib.error):
@@ -372,6 +371,161 @@ def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, a
     with tenant_context(tenant):
         for row in left:
             assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
+
+
+def test_a_chain_restarts_whole_at_its_rebuild_budget_and_its_link_limit(
+        tenant, agent, tmp_path, monkeypatch):
+    """A chain of deltas restarts with a whole copy when opening its next link would rebuild
+    more than DELTA_REBUILD_MAX bytes of bodies, or when it would pass DELTA_CHAIN_MAX links
+    (decision 41); every call still opens to exactly what was sent."""
+    from governance.capture import shipper
+    from governance.capture.rawstore import decode_body, open_raw
+    from governance.models import Interaction
+
+    traj, records = _long_session(tenant, agent, 12)
+    sent = [decode_body(r["request_body"]) for r in records]
+    # A budget that the first three bodies fit and the first four do not.
+    monkeypatch.setattr(shipper, "DELTA_REBUILD_MAX", sum(len(b) for b in sent[:3]))
+    ship_and_build(tmp_path / "a", records[:8])
+    monkeypatch.setattr(shipper, "DELTA_REBUILD_MAX", 1 << 40)
+    monkeypatch.setattr(shipper, "DELTA_CHAIN_MAX", 2)
+    ship_and_build(tmp_path / "b", records[8:])
+    rows = list(Interaction.objects.filter(trajectory_id=traj).select_related("data_key")
+                .order_by("started_at"))
+    whole = [i for i, r in enumerate(rows) if not r.raw_base_flow]
+    # Rebuild budget: 0 whole, 1-2 deltas, 3 whole (0-3 would rebuild too much), 4 whole
+    # (3-4 would: bodies grow), ...; then a new batch starts whole and links at most twice.
+    rebuilt, expected = 0, []
+    for i, body in enumerate(sent[:8]):
+        if i == 0 or rebuilt + len(body) > sum(len(b) for b in sent[:3]):
+            expected.append(i)
+            rebuilt = 0
+        rebuilt += len(body)
+    expected += [8, 10]
+    assert whole == expected, (whole, expected)
+    with tenant_context(tenant):
+        for row, body in zip(rows, sent, strict=True):
+            assert decode_body(open_raw(row)["request_body"]) == body
+
+
+def test_a_format_4_delta_still_opens(tenant, agent, tmp_path):
+    """Payloads sealed as format 4 (a delta compressed against its base's bodies only, before
+    decision 41) open as they did, beside format 5 ones of the same chain."""
+    import zlib
+
+    from governance.capture.rawstore import (
+        RAW4_MAGIC,
+        RAW5_MAGIC,
+        _base_bodies,
+        decode_body,
+        delta_dictionary,
+        open_raw,
+        packed_base,
+        seal_raw,
+        unwrap,
+    )
+    from governance.models import Interaction
+
+    traj, records, sent, rows = _shipped_session(tenant, agent, tmp_path, 4)
+    row = rows[2]
+    plaintext = _plaintext(row)
+    base = packed_base(plaintext)
+    assert plaintext.startswith(RAW5_MAGIC) and base == rows[1].flow_id
+    with tenant_context(tenant):
+        request, response, head = _base_bodies(row, base, {}, None)
+    start = len(RAW5_MAGIC) + 1 + len(base)
+    inflater = zlib.decompressobj(zdict=delta_dictionary(request, response, head))
+    payload = inflater.decompress(plaintext[start:])
+    packer = zlib.compressobj(6, zdict=delta_dictionary(request, response))
+    old = RAW4_MAGIC + plaintext[len(RAW5_MAGIC):start] + packer.compress(payload) \
+        + packer.flush()
+    Interaction.objects.filter(pk=row.pk).update(
+        raw_ciphertext=seal_raw(unwrap(row.data_key), row.flow_id, old))
+    rows = list(Interaction.objects.filter(trajectory_id=traj).select_related("data_key")
+                .order_by("started_at"))
+    assert _plaintext(rows[2]).startswith(RAW4_MAGIC)
+    with tenant_context(tenant):
+        for r, body in zip(rows, sent, strict=True):  # each alone, and as one batch
+            assert decode_body(open_raw(r)["request_body"]) == body
+        bodies: dict[str, bytes] = {}
+        assert [decode_body(open_raw(r, bodies)["request_body"]) for r in rows] == sent
+
+
+def test_a_long_chain_opens_cold_without_recursion(tenant, agent, tmp_path):
+    """A call at the end of a chain opens with nothing opened before it, however long the
+    chain: the links are opened in a loop (a chain may be longer than Python's recursion
+    limit; here the limit is made tighter than three frames a link)."""
+    import sys
+
+    from governance.capture.rawstore import decode_body, open_raw
+
+    traj, records, sent, rows = _shipped_session(tenant, agent, tmp_path, 40)
+    assert sum(1 for r in rows if not r.raw_base_flow) == 1
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(depth + 60)
+    try:
+        with tenant_context(tenant):
+            body = decode_body(open_raw(rows[-1])["request_body"])
+    finally:
+        sys.setrecursionlimit(limit)
+    assert body == sent[-1]
+
+
+def test_a_batch_chain_ends_at_the_last_call_this_process_opened(
+        tenant, agent, tmp_path, django_assert_num_queries):
+    """RecentBodies (decision 41): the step builder keeps each trajectory's last opened call,
+    so the next batch of that trajectory reads and rebuilds only its own links; it is bounded
+    in bytes, least recently used first, and forgets a trajectory on request."""
+    from governance.capture.rawstore import (
+        RecentBodies,
+        decode_body,
+        delta_bases,
+        known_flows,
+        open_raw,
+    )
+
+    traj, records, sent, rows = _shipped_session(tenant, agent, tmp_path, 10)
+    recent, key = RecentBodies(), (tenant.pk, traj)
+    with tenant_context(tenant):
+        bodies: dict[str, bytes] = {}
+        for row in rows[:5]:
+            open_raw(row, bodies)
+        recent.remember(key, rows[4].flow_id, bodies)
+        seeded = recent.seed({key, (tenant.pk, "another")})
+        assert known_flows(seeded) == {rows[4].flow_id}
+        with django_assert_num_queries(0):  # no walk, no base looked up
+            bases = delta_bases(rows[5:], known_flows(seeded))
+            opened = [decode_body(open_raw(r, seeded, bases)["request_body"])
+                      for r in rows[5:]]
+        assert bases == {} and opened == sent[5:]
+    recent.forget(key)
+    assert recent.seed({key}) == {}
+    def size(row) -> int:  # what the cache holds of a call: its three parts
+        return sum(len(v) for k, v in bodies.items() if k.split("#")[0] == row.flow_id)
+
+    recent.MAX_BYTES = size(rows[4]) + size(rows[3])
+    recent.remember(key, rows[4].flow_id, bodies)
+    recent.remember((tenant.pk, "other"), rows[3].flow_id, bodies)
+    recent.remember((tenant.pk, "third"), rows[2].flow_id, bodies)
+    assert recent.seed({key}) == {}  # the least recently used went first
+    assert known_flows(recent.seed({(tenant.pk, "third")})) == {rows[2].flow_id}
+
+
+def _shipped_session(tenant, agent, tmp_path, calls: int
+                     ) -> tuple[str, list[dict], list[bytes], list]:
+    """`_long_session` shipped and built in one batch: the trajectory id, the records, the
+    request bodies sent, and the Interaction rows in call order (with their data keys)."""
+    from governance.capture.rawstore import decode_body
+    from governance.models import Interaction
+
+    traj, records = _long_session(tenant, agent, calls)
+    ship_and_build(tmp_path / "a", records)
+    rows = list(Interaction.objects.filter(trajectory_id=traj).select_related("data_key")
+                .order_by("started_at"))
+    return traj, records, [decode_body(r["request_body"]) for r in records], rows
 
 
 def _plaintext(row) -> bytes:

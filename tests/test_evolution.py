@@ -354,15 +354,31 @@ class WatchfulSGLang:
 
         from governance.audit import AUDIT_LOCK_ID
 
+        def held(conn: psycopg.Connection) -> tuple[set, dict]:
+            # Keyed by (backend, transaction start): the same key in two looks is one
+            # transaction that stayed open between them.
+            audit = set(conn.execute(
+                "SELECT l.pid, a.xact_start FROM pg_locks l JOIN pg_stat_activity a "
+                "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+                "AND l.classid = 0 AND l.objid = %s AND l.database = (SELECT oid "
+                "FROM pg_database WHERE datname = current_database())",
+                [AUDIT_LOCK_ID]).fetchall())
+            idle = {(pid, xact): rest for pid, xact, *rest in conn.execute(
+                "SELECT pid, xact_start, application_name, state, left(query, 120) "
+                "FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%%'")}
+            return audit, idle
+
+        # Two looks half a second apart, counting only what both saw: a transaction held
+        # across the push (the caller waits for this answer) is in both; a short one that
+        # something else in the test database was in the middle of is not (one look alone
+        # caught such a one once, on a loaded machine).
         with psycopg.connect(_database_url(), autocommit=True) as conn:
-            audit_lock = conn.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                "AND classid = 0 AND objid = %s AND database = (SELECT oid FROM pg_database "
-                "WHERE datname = current_database())", [AUDIT_LOCK_ID]).fetchone()[0]
-            idle_in_tx = conn.execute(
-                "SELECT application_name, state, left(query, 120) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-                "AND state LIKE 'idle in transaction%%'").fetchall()
+            audit_before, idle_before = held(conn)
+            await asyncio.sleep(0.5)
+            audit_after, idle_after = held(conn)
+        audit_lock = len(audit_before & audit_after)
+        idle_in_tx = [tuple(idle_after[k]) for k in idle_before.keys() & idle_after.keys()]
         self.seen_during_push.append({"audit_lock_holders": audit_lock,
                                       "idle_in_transaction": idle_in_tx})
         if self.hold is not None:

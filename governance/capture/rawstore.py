@@ -10,8 +10,9 @@ every payload it sealed unreadable, wherever copies of it live (crypto-shredding
 The plaintext is the exchange exactly as the proxy spooled it: request and response headers and
 the exact body bytes. Format 3 (`pack_raw`) is zlib over a JSON header and the bodies as raw bytes
 (compressed before it is sealed: AES-GCM output does not compress, and agent traffic is JSON that
-shrinks 3-6x). Format 4 is format 3 of a request delta compressed against its base call
-(`delta_dictionary`). Formats 1 and 2, JSON with the bodies as base64, are still opened.
+shrinks 3-6x). Format 5 is format 3 of a request delta compressed against its base call: the
+base's bodies and its headers (`delta_dictionary`). Format 4 (the same without the headers)
+and formats 1 and 2 (JSON with the bodies as base64) are still opened.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import base64
 import hashlib
 import struct
 import zlib
+from collections import OrderedDict
 from typing import Any
 
 import orjson
@@ -68,8 +70,15 @@ def raw_plaintext(record: dict[str, Any], delta: dict[str, Any] | None = None,
 RAW3_MAGIC = b"\x00stw-raw3"
 # Format 4: MAGIC, the base's flow id (u8 length, ASCII) in the clear of the plaintext (the
 # dictionary must be known before the rest inflates; the whole is sealed all the same), then
-# format 3's zlib stream made with `delta_dictionary(base)` as its preset dictionary.
+# format 3's zlib stream made with `delta_dictionary(base)` as its preset dictionary. Opened,
+# no longer written (decision 41).
 RAW4_MAGIC = b"\x00stw-raw4"
+# Format 5: format 4's layout, the dictionary also holding the base's `exchange_head`.
+RAW5_MAGIC = b"\x00stw-raw5"
+DELTA_MAGICS = (RAW4_MAGIC, RAW5_MAGIC)
+# What of a raw document `exchange_head` keeps: the parts a session's next call repeats almost
+# byte for byte (the client's headers, the upstream's), and nothing a format changes.
+EXCHANGE_FIELDS = ("method", "path", "request_headers", "response_status", "response_headers")
 # zlib's window: a preset dictionary is only ever used up to its last 32 KB.
 DICTIONARY_WINDOW = 32 * 1024
 RAW3_LEVEL = 6  # zlib: level 9 saves ~2 % more for 2-3x the time
@@ -87,15 +96,20 @@ def _blob(value: Any) -> bytes | None:
         return None
 
 
-def delta_dictionary(base_request: bytes, base_response: bytes | None) -> bytes:
-    """What a request delta is compressed against (format 4): the end of its base call's
-    request body, then that call's response body. The delta is the messages the agent appended
-    since: the base's reply again (the assistant message, re-serialized by the client) and
-    tool output shaped like the base's last tool output (the same field names, the same
-    punctuation), which zlib alone finds only within the few KB of one call. Measured on the
-    long-session bench's raw payloads: 2.26 KB a call as format 3, 1.55 KB as format 4
-    (decision 39)."""
-    return (base_request[-DICTIONARY_WINDOW:] + (base_response or b""))[-DICTIONARY_WINDOW:]
+def delta_dictionary(base_request: bytes, base_response: bytes | None,
+                     base_head: bytes | None = None) -> bytes:
+    """What a request delta is compressed against: the end of its base call's request body,
+    then that call's response body, then (format 5) the base's `exchange_head`. The delta is
+    the messages the agent appended since: the base's reply again (the assistant message,
+    re-serialized by the client) and tool output shaped like the base's last tool output (the
+    same field names, the same punctuation), which zlib alone finds only within the few KB of
+    one call. Measured on the long-session bench's raw payloads: 2.26 KB a call as format 3,
+    1.55 KB as format 4 (decision 39). The headers come last, nearest to the packed document
+    that starts with its own: a call's client and upstream headers differ from its base's in
+    a length, a date and ids, and were the larger part of a format-4 delta when calls add
+    little (decision 41: 876 to 339 bytes a call at 200 calls of 0.6 KB)."""
+    tail = base_request[-DICTIONARY_WINDOW:] + (base_response or b"") + (base_head or b"")
+    return tail[-DICTIONARY_WINDOW:]
 
 
 def response_bytes(doc: dict[str, Any]) -> bytes:
@@ -104,20 +118,33 @@ def response_bytes(doc: dict[str, Any]) -> bytes:
     return _blob(doc.get("response_body")) or b""
 
 
+def exchange_head(doc: dict[str, Any]) -> bytes:
+    """The headers part of a spool record or of an opened raw document, as bytes that are the
+    same from either and whatever format the document was sealed in (format 5's dictionary
+    is rebuilt from the opened base, which may have been sealed again since in another)."""
+    return orjson.dumps(json_form({k: doc.get(k) for k in EXCHANGE_FIELDS}))
+
+
 def packed_base(plaintext: bytes) -> str | None:
-    """The flow id of the base a format-4 plaintext was compressed against; None for any
+    """The flow id of the base a format-4 or 5 plaintext was compressed against; None for any
     other format (which opens without a dictionary)."""
-    if not plaintext.startswith(RAW4_MAGIC):
+    if not plaintext.startswith(DELTA_MAGICS):
         return None
-    n = plaintext[len(RAW4_MAGIC)]
+    n = plaintext[len(RAW4_MAGIC)]  # RAW5_MAGIC is as long
     return plaintext[len(RAW4_MAGIC) + 1:len(RAW4_MAGIC) + 1 + n].decode("ascii")
+
+
+def needs_head(plaintext: bytes) -> bool:
+    """Whether this plaintext's dictionary holds its base's `exchange_head` (format 5)."""
+    return plaintext.startswith(RAW5_MAGIC)
 
 
 def pack_raw(doc: dict[str, Any], zdict: bytes | None = None) -> bytes:
     """A raw document of format 1 or 2 shape (bodies and a delta's `middle` as bytes or base64
     text) as format 3: MAGIC, then zlib of (u32 header length, header JSON, blobs). The header
     is the document with each body replaced by its blob's length (`{"blob": n}`). With `zdict`
-    and a request delta, format 4 (RAW4_MAGIC): the same compressed against `zdict`."""
+    (`delta_dictionary` of the base, with its head) and a request delta, format 5 (RAW5_MAGIC):
+    the same compressed against `zdict`."""
     header = dict(doc)
     blobs: list[bytes] = []
 
@@ -140,18 +167,18 @@ def pack_raw(doc: dict[str, Any], zdict: bytes | None = None) -> bytes:
     if zdict is None or not base or len(base) > 255:
         return RAW3_MAGIC + zlib.compress(payload, RAW3_LEVEL)
     packer = zlib.compressobj(RAW3_LEVEL, zdict=zdict)
-    return (RAW4_MAGIC + bytes([len(base)]) + base + packer.compress(payload)
+    return (RAW5_MAGIC + bytes([len(base)]) + base + packer.compress(payload)
             + packer.flush())
 
 
 def unpack_raw(plaintext: bytes, zdict: bytes | None = None) -> dict[str, Any]:
     """The raw document in format 1/2 shape (bodies and a delta's middle as base64 text),
-    whatever format it was sealed in. Format 4 needs the `delta_dictionary` of the base that
-    `packed_base` names."""
+    whatever format it was sealed in. Formats 4 and 5 need the `delta_dictionary` of the base
+    that `packed_base` names (format 5's with the base's head: `needs_head`)."""
     base = packed_base(plaintext)
     if base is not None:
         if zdict is None:
-            raise ValueError("a format-4 raw payload opens only with its base's dictionary")
+            raise ValueError("a delta raw payload opens only with its base's dictionary")
         inflater = zlib.decompressobj(zdict=zdict)
         data = inflater.decompress(plaintext[len(RAW4_MAGIC) + 1 + len(base):])
         if not inflater.eof:
@@ -199,15 +226,20 @@ def decode_body(value: str | bytes | None) -> bytes | None:
 # n-th call is the (n-1)-th one with a few messages inserted before its closing `]` (and the
 # tools, params after it). Each raw request is kept as its delta against the previous one of
 # the trajectory sealed under the same data key: the common prefix and suffix lengths and the
-# bytes between, with the whole body's SHA-256 to check the rebuild. Every DELTA_CHAIN_MAX-th
-# one is a full copy, so opening one costs at most that many decryptions (small ones: a delta
-# is a call's new messages) and one query for the chain (`delta_bases`). 64, not the 16 it
-# was: in a session the full copies were the largest payloads — at 60 calls of 3 KB each,
-# 1.5 KB of every call's 3.7 KB of raw bytes (decision 37). Crypto-shredding is
-# unchanged (a delta and its base share the data key); retention and suppression re-seal the
-# dependents of a payload whole before they destroy it (`rebase_dependents`).
+# bytes between, with the whole body's SHA-256 to check the rebuild. A chain restarts with a
+# full copy when it would grow past DELTA_CHAIN_MAX links or DELTA_REBUILD_MAX bytes rebuilt:
+# opening a call decrypts and inflates each link (small: a delta is a call's new messages),
+# then rebuilds and hashes every body of the chain, so what it costs is the sum of the
+# chain's body lengths, not its length; one query finds the chain (`delta_bases`). A full
+# copy is a session's largest payload, the whole conversation so far: the fixed 64 links of
+# decision 37 (16 before) cost 0.27 KB of every call's 1.2 KB of raw bytes at 200 calls of
+# 0.6 KB, and more the longer the session (decision 41 measured the bound's open time).
+# Crypto-shredding is unchanged (a delta and its base share the data key); retention and
+# suppression re-seal the dependents of a payload whole before they destroy it
+# (`rebase_dependents`).
 
-DELTA_CHAIN_MAX = 64
+DELTA_CHAIN_MAX = 256
+DELTA_REBUILD_MAX = 16 * 1024 * 1024
 # A delta is kept only when it is at most this share of the whole body.
 DELTA_MAX_SHARE = 0.5
 
@@ -319,15 +351,69 @@ def open_dead_letter(dead_letter: Any) -> dict[str, Any]:
                                     dead_letter_aad(dead_letter.tenant_id, dead_letter.flow_id)))
 
 
-def delta_bases(interactions: list[Interaction]) -> dict[str, Interaction]:
+class RecentBodies:
+    """Per trajectory, the last call the step builder opened: its rebuilt request body,
+    response body and exchange head, kept in this worker process (at most MAX_BYTES, least
+    recently used dropped first). A batch's delta chains then end at it (`delta_bases`'s
+    `known`, `open_raw`'s `bodies`) instead of at the last whole copy: opening a batch of a
+    long session's calls costs its own links, not the chain's (decision 41). As the shipper's
+    RawBases, it holds what this process has just had in the clear; nothing is read for it.
+    Opening a call still unwraps that call's own data key first, so an erased subject's
+    cached body opens nothing; `forget` drops a trajectory whose call did not open."""
+
+    MAX_BYTES = 64 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._last: OrderedDict[Any, tuple[str, bytes, bytes, bytes]] = OrderedDict()
+        self._bytes = 0
+
+    def seed(self, trajectory_ids: set[Any]) -> dict[str, bytes]:
+        """`open_raw`'s `bodies` for a batch of these trajectories ((tenant id, trajectory
+        id) pairs, as everywhere here): what is kept of them."""
+        bodies: dict[str, bytes] = {}
+        for tid in trajectory_ids:
+            if tid in self._last:
+                self._last.move_to_end(tid)
+                flow, request, response, head = self._last[tid]
+                bodies.update({flow: request, _response_key(flow): response,
+                               _head_key(flow): head})
+        return bodies
+
+    def remember(self, trajectory_id: Any, flow_id: str, bodies: dict[str, bytes]) -> None:
+        """Keep the call `flow_id` (opened into `bodies`) as its trajectory's last."""
+        if flow_id not in bodies or _head_key(flow_id) not in bodies:
+            return
+        self.forget(trajectory_id)
+        entry = (flow_id, bodies[flow_id], bodies[_response_key(flow_id)],
+                 bodies[_head_key(flow_id)])
+        self._last[trajectory_id] = entry
+        self._bytes += sum(len(part) for part in entry[1:])
+        while self._bytes > self.MAX_BYTES and self._last:
+            _, dropped = self._last.popitem(last=False)
+            self._bytes -= sum(len(part) for part in dropped[1:])
+
+    def forget(self, trajectory_id: Any) -> None:
+        old = self._last.pop(trajectory_id, None)
+        if old is not None:
+            self._bytes -= sum(len(part) for part in old[1:])
+
+
+def known_flows(bodies: dict[str, bytes]) -> set[str]:
+    """The flow ids whose request bodies `bodies` holds (not its response and head entries)."""
+    return {k for k in bodies if "#" not in k}
+
+
+def delta_bases(interactions: list[Interaction], known: set[str] | None = None
+                ) -> dict[str, Interaction]:
     """The interactions the request deltas among `interactions` are rebuilt from — their
     bases, the bases' bases, up to the whole copies — by flow id, with their data keys: two
     queries whatever the chains' depth (a recursive walk of the chains, then the rows), not
     one per base. For `open_raw` (`bases`): a batch of a long session's calls used to look
     each link of a chain up alone. Run in the interactions' tenant scope (as open_raw looks
     bases up; row-level security applies to every step of the walk); for each flow id the
-    row open_raw's own lookup would take (the first by primary key)."""
-    have = {ia.flow_id for ia in interactions}
+    row open_raw's own lookup would take (the first by primary key). `known`: flows already
+    opened (`RecentBodies`), where a walk stops too."""
+    have = {ia.flow_id for ia in interactions} | (known or set())
     wanted = {ia.raw_base_flow for ia in interactions if ia.raw_base_flow} - have
     if not wanted:
         return {}
@@ -350,39 +436,76 @@ def delta_bases(interactions: list[Interaction]) -> dict[str, Interaction]:
 
 
 def _response_key(flow_id: str) -> str:
-    # open_raw's `bodies` also holds each opened call's response body, which a format-4 delta
-    # of it needs (delta_dictionary); flow ids never contain "#".
+    # open_raw's `bodies` also holds each opened call's response body and exchange head, which
+    # a format-4/5 delta of it needs (delta_dictionary); flow ids never contain "#".
     return f"{flow_id}#response"
 
 
-def _base_bodies(interaction: Interaction, base_flow: str, bodies: dict[str, bytes],
-                 bases: dict[str, Interaction] | None) -> tuple[bytes, bytes]:
-    """The request and response bodies of a delta's base, opened (and cached in `bodies`)
-    when not opened yet."""
-    if base_flow not in bodies or _response_key(base_flow) not in bodies:
+def _head_key(flow_id: str) -> str:
+    return f"{flow_id}#head"
+
+
+def _find_base(interaction: Interaction, base_flow: str,
+               bases: dict[str, Interaction] | None) -> Interaction:
+    base = (bases or {}).get(base_flow)
+    if base is None or base.tenant_id != interaction.tenant_id:
         from governance.tenancy import tenant_context
 
-        base = (bases or {}).get(base_flow)
-        if base is None or base.tenant_id != interaction.tenant_id:
-            # The base is the interaction's own tenant's (its trajectory's previous call).
-            with tenant_context(interaction.tenant_id):
-                base = (Interaction.objects.filter(flow_id=base_flow)
-                        .select_related("data_key").first())
-        if base is None:
-            raise RawPayloadUnavailable(f"the base payload of this delta ({base_flow}) is gone")
-        open_raw(base, bodies, bases)
-    return bodies[base_flow], bodies[_response_key(base_flow)]
+        # The base is the interaction's own tenant's (its trajectory's previous call).
+        with tenant_context(interaction.tenant_id):
+            base = (Interaction.objects.filter(flow_id=base_flow)
+                    .select_related("data_key").first())
+    if base is None:
+        raise RawPayloadUnavailable(f"the base payload of this delta ({base_flow}) is gone")
+    return base
+
+
+def _opened(bodies: dict[str, bytes], flow_id: str) -> bool:
+    return flow_id in bodies and _head_key(flow_id) in bodies
+
+
+def _base_bodies(interaction: Interaction, base_flow: str, bodies: dict[str, bytes],
+                 bases: dict[str, Interaction] | None) -> tuple[bytes, bytes, bytes]:
+    """The request body, response body and exchange head of a delta's base, opened (and
+    cached in `bodies`) when not opened yet."""
+    if not _opened(bodies, base_flow):
+        open_raw(_find_base(interaction, base_flow, bases), bodies, bases)
+    return bodies[base_flow], bodies[_response_key(base_flow)], bodies[_head_key(base_flow)]
+
+
+def _open_chain_below(interaction: Interaction, bodies: dict[str, bytes],
+                      bases: dict[str, Interaction] | None) -> None:
+    """Open the links under this call that `bodies` lacks, oldest first, so that each finds
+    its base opened: a loop, not recursion, as a chain may be longer than Python's recursion
+    limit (DELTA_CHAIN_MAX links, three frames each)."""
+    below: list[Interaction] = []
+    link = interaction
+    while link.raw_base_flow and not _opened(bodies, link.raw_base_flow):
+        link = _find_base(link, link.raw_base_flow, bases)
+        below.append(link)
+        if len(below) > 2 * DELTA_CHAIN_MAX:  # a loop of bases: damaged rows
+            raise ValueError("raw payload's chain of bases does not end")
+    for link in reversed(below):
+        _open_one(link, bodies, bases)
 
 
 def open_raw(interaction: Interaction, bodies: dict[str, bytes] | None = None,
              bases: dict[str, Interaction] | None = None) -> dict[str, Any]:
     """Decrypt an interaction's raw payload, its request body rebuilt when it is stored as a
-    delta (formats 2 and 4, always returned as format 1: `request_body` base64). `bodies`:
+    delta (formats 2, 4 and 5, always returned as format 1: `request_body` base64). `bodies`:
     request bodies already rebuilt, by flow id (a batch opening a session's calls passes one
     dict, so each base is decrypted once). `bases`: base interactions read beforehand
     (`delta_bases`); a base not in it is looked up. Callers that show it to a person must
     audit the read (governance.audit.record_event "raw.read"); the step builder reads it as
     the system."""
+    bodies = {} if bodies is None else bodies
+    _open_chain_below(interaction, bodies, bases)
+    return _open_one(interaction, bodies, bases)
+
+
+def _open_one(interaction: Interaction, bodies: dict[str, bytes],
+              bases: dict[str, Interaction] | None) -> dict[str, Any]:
+    """open_raw of one call whose base (if any) `bodies` holds or that is looked up."""
     if interaction.raw_ciphertext is None:
         raise RawPayloadUnavailable("no raw payload stored (expired or purged)")
     key = interaction.data_key
@@ -391,18 +514,19 @@ def open_raw(interaction: Interaction, bodies: dict[str, bytes] | None = None,
     plain_key = unwrap(key)
     plaintext = open_sealed(plain_key, bytes(interaction.raw_ciphertext),
                             raw_aad(interaction.flow_id))
-    bodies = {} if bodies is None else bodies
     zdict = None
     packed_against = packed_base(plaintext)
     if packed_against is not None:
-        zdict = delta_dictionary(*_base_bodies(interaction, packed_against, bodies, bases))
+        request, response, head = _base_bodies(interaction, packed_against, bodies, bases)
+        zdict = delta_dictionary(request, response, head if needs_head(plaintext) else None)
     raw = unpack_raw(plaintext, zdict)
     bodies[_response_key(interaction.flow_id)] = response_bytes(raw)
+    bodies[_head_key(interaction.flow_id)] = exchange_head(raw)
     delta = raw.pop("request_delta", None)
     if delta is None:
         bodies[interaction.flow_id] = decode_body(raw.get("request_body")) or b""
         return raw
-    base_body, _ = _base_bodies(interaction, str(delta.get("base") or ""), bodies, bases)
+    base_body, _, _ = _base_bodies(interaction, str(delta.get("base") or ""), bodies, bases)
     body = apply_delta(base_body, delta)
     bodies[interaction.flow_id] = body
     raw["v"] = 1

@@ -68,9 +68,11 @@ from django.utils import timezone
 from governance.audit import record_event
 from governance.capture.rawstore import (
     DELTA_CHAIN_MAX,
+    DELTA_REBUILD_MAX,
     data_keys_for,
     decode_body,
     delta_dictionary,
+    exchange_head,
     insert_ignore_conflicts,
     key_is_destroyed,
     raw_plaintext,
@@ -219,11 +221,19 @@ class RawBase:
     body: bytes
     depth: int  # deltas since the last whole copy
     data_key_id: int
-    # Its response body: with `body`, what the next delta is compressed against (format 4).
+    # Its response body and exchange head: with `body`, what the next delta is compressed
+    # against (format 5).
     response: bytes = b""
+    head: bytes = b""
+    # The bytes opening it rebuilds: its body's length plus its base's figure (what
+    # DELTA_REBUILD_MAX bounds).
+    rebuild: int = 0
 
     def dictionary(self) -> bytes:
-        return delta_dictionary(self.body, self.response)
+        return delta_dictionary(self.body, self.response, self.head)
+
+    def size(self) -> int:
+        return len(self.body) + len(self.response) + len(self.head)
 
 
 class RawBases:
@@ -250,28 +260,31 @@ class RawBases:
             return None, None
         base = pending.get(p.trajectory_id) or self._bases.get(p.trajectory_id)
         delta = None
-        if base is not None and base.data_key_id == data_key_id \
-                and base.depth + 1 < DELTA_CHAIN_MAX and body:
+        if base is not None and base.data_key_id == data_key_id and body \
+                and base.depth + 1 < DELTA_CHAIN_MAX \
+                and base.rebuild + len(body) <= DELTA_REBUILD_MAX:
             delta = request_delta(base.body, body)
             if delta is not None:
                 delta["base"] = base.flow_id
-        pending[p.trajectory_id] = RawBase(p.flow_id, body,
-                                           base.depth + 1 if delta is not None else 0,
-                                           data_key_id, response_bytes(p.record))
+        chained = delta is not None and base is not None
+        pending[p.trajectory_id] = RawBase(
+            p.flow_id, body, base.depth + 1 if chained else 0, data_key_id,
+            response_bytes(p.record), exchange_head(p.record),
+            (base.rebuild if chained else 0) + len(body))
         return delta, base.dictionary() if delta is not None and base is not None else None
 
     def commit(self, pending: dict[uuid.UUID, RawBase], lost: set[str]) -> None:
         for tid, base in pending.items():
             old = self._bases.pop(tid, None)
             if old is not None:
-                self._bytes -= len(old.body) + len(old.response)
+                self._bytes -= old.size()
             if base.flow_id in lost:
                 continue
             self._bases[tid] = base
-            self._bytes += len(base.body) + len(base.response)
+            self._bytes += base.size()
         while self._bytes > self.MAX_BYTES and self._bases:
             _, dropped = self._bases.popitem(last=False)
-            self._bytes -= len(dropped.body) + len(dropped.response)
+            self._bytes -= dropped.size()
 
 
 class Shipper:

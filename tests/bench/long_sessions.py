@@ -33,9 +33,11 @@ processed or quarantined), the database growth (sum of pg_total_relation_size ov
 the app schema, before/after; nothing is deleted between runs), the ATDP documents' bytes
 (governance.capture.atdp.trajectory_document of each trajectory), database bytes per call against
 the call's new content (JSON of the new messages), the sustained calls/s (calls / time to
-sanitized) with step lag p50/p95 (step created_at - the proxy's t_request), and the ratios
-session / one-off. Beside each run, the agent alone: the same calls sent straight to the upstream
-(no proxy) by the same client, timed — what the agent spends building and sending its requests
+sanitized) with step lag p50/p95 (step created_at - the proxy's t_request), the time to open
+the raw payload of a session's last call cold (its delta chain read and rebuilt; the worst of
+two sessions) with how many payloads are sealed whole, and the ratios session / one-off.
+Beside each run, the agent alone: the same calls sent straight to the upstream (no proxy)
+by the same client, timed — what the agent spends building and sending its requests
 whatever sits between it and the model (the openai client's request building grows with a
 long message list) — and the time to sanitized beyond it. Then the NER floor: spaCy (the
 sanitizer's model, loaded as the sanitizer loads it) over just the new text of the same calls,
@@ -590,6 +592,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         atdp_compact = sum(len(orjson.dumps(trajectory_document(t, compact=True), default=str))
                            for t in trajectories)
         steps_per_trajectory = sorted(t.steps.count() for t in trajectories)
+        open_ms, whole = raw_open_figures(trajectories)
     if len(rows) < calls:
         app.failed.append(f"{mode}/{agent}: {len(rows)} steps of {calls} calls "
                           f"({shipped} shipped)")
@@ -612,8 +615,31 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         if steps_per_trajectory else [],
         "new_bytes_per_call": round(new_bytes / calls),
         "db_bytes_per_call": round(sum(growth.values()) / calls),
-        "rate": rate,
+        "rate": rate, "raw_open_last_ms": open_ms, "raw_whole_copies": whole,
     }
+
+
+def raw_open_figures(trajectories: list) -> tuple[float | None, int]:
+    """(ms to open the last call's raw payload of the longest trajectories, cold: its delta
+    chain read and rebuilt as the console's raw view does; the worst of two), and how many of
+    the run's payloads are sealed whole (no delta base). In the tenant scope."""
+    from governance.capture.rawstore import delta_bases, open_raw
+    from governance.models import Interaction
+
+    ids = [t.pk for t in trajectories]
+    whole = (Interaction.objects.filter(trajectory_id__in=ids, raw_ciphertext__isnull=False,
+                                        raw_base_flow="").count())
+    longest = sorted(trajectories, key=lambda t: -t.step_count)[:2]
+    times = []
+    for t in longest:
+        last = (Interaction.objects.filter(trajectory=t, raw_ciphertext__isnull=False)
+                .select_related("data_key").order_by("-started_at").first())
+        if last is None:
+            continue
+        t0 = time.perf_counter()
+        open_raw(last, {}, delta_bases([last]))
+        times.append((time.perf_counter() - t0) * 1000)
+    return (round(max(times), 1) if times else None), whole
 
 
 def ner_floor(nlp: Any, scripts: list[list[list[dict]]]) -> float:
@@ -743,6 +769,8 @@ def shape_table(entry: dict) -> str:
         ("sustained calls/s", lambda r: r["calls_per_s"]),
         ("step lag p50 s", lambda r: r["lag_p50_s"]),
         ("step lag p95 s", lambda r: r["lag_p95_s"]),
+        ("open the last call's raw payload ms", lambda r: r.get("raw_open_last_ms")),
+        ("raw payloads sealed whole", lambda r: r.get("raw_whole_copies")),
         ("trajectories", lambda r: r["trajectories"]),
         ("steps", lambda r: r["steps"]),
     ]
@@ -756,7 +784,7 @@ def shape_table(entry: dict) -> str:
         values = {m: get(runs[m]) for m in modes}
         line = f"{label:38}" + "".join(f"{_fmt(values[m]):>12}" for m in modes)
         if not label.startswith(("trajectories", "steps", "new content", "  of which",
-                                 "agent alone")):
+                                 "agent alone", "open the last", "raw payloads")):
             line += "".join(f"{_fmt(ratio(values[m], values['one-off'])):>15}"
                             for m in modes if m != "one-off")
         lines.append(line)
