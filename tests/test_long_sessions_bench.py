@@ -108,7 +108,9 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
     # The printed table names every figure side by side.
     for label in ("time until every step is sanitized", "database growth MB",
                   "ATDP documents MB", "database bytes / new byte", "NER floor calls/s",
-                  "session/1-off", "issue 16's table"):
+                  "session/1-off", "issue 16's table", "session KB per call by table",
+                  "one-off KB per call by table", "open the last call's raw payload ms",
+                  "raw payloads sealed whole"):
         assert label in proc.stdout
 
 

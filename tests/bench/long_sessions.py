@@ -35,7 +35,8 @@ the app schema, before/after; nothing is deleted between runs), the ATDP documen
 the call's new content (JSON of the new messages), the sustained calls/s (calls / time to
 sanitized) with step lag p50/p95 (step created_at - the proxy's t_request), the time to open
 the raw payload of a session's last call cold (its delta chain read and rebuilt; the worst of
-two sessions) with how many payloads are sealed whole, and the ratios session / one-off.
+two sessions) with how many payloads are sealed whole, where a call's bytes go (growth per
+call by table, the largest twelve), and the ratios session / one-off.
 Beside each run, the agent alone: the same calls sent straight to the upstream (no proxy)
 by the same client, timed — what the agent spends building and sending its requests
 whatever sits between it and the model (the openai client's request building grows with a
@@ -797,10 +798,25 @@ def shape_table(entry: dict) -> str:
         lines.append(f"{'paced session run':38}{p['rate']:.2f} calls/s offered: "
                      f"lag p50 {_fmt(p['lag_p50_s'])} s, p95 {_fmt(p['lag_p95_s'])} s, "
                      f"sustained {_fmt(p['calls_per_s'])} calls/s")
+    for m in modes:  # where a call's bytes go (the README's per-table figures)
+        lines.append(f"{m + ' KB per call by table':38}" + by_table(runs[m]))
+    if "paced" in entry:
+        lines.append(f"{'paced KB per call by table':38}" + by_table(entry["paced"]))
     for what, value, limit, met in targets(entry):
         lines.append(f"target {what:<48} {_fmt(value):>8} <= {limit:<5} "
                      f"{'met' if met else 'MISSED'}")
     return "\n".join(lines)
+
+
+def by_table(r: dict) -> str:
+    """The run's growth per call by table (app prefix and partition suffix dropped), largest
+    first; tables that did not grow are left out."""
+    parts = []
+    for table, grown in r["db_growth_top"].items():
+        if grown > 0:
+            name = re.sub(r"_p\d{4}_\d{2}$", "", table.removeprefix("governance_"))
+            parts.append(f"{name} {grown / r['calls'] / 1024:.2f}")
+    return ", ".join(parts) or "-"
 
 
 def summary_table(result: dict) -> str:
