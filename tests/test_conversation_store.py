@@ -506,12 +506,38 @@ def test_a_batch_chain_ends_at_the_last_call_this_process_opened(
     def size(row) -> int:  # what the cache holds of a call: its three parts
         return sum(len(v) for k, v in bodies.items() if k.split("#")[0] == row.flow_id)
 
-    recent.MAX_BYTES = size(rows[4]) + size(rows[3])
+    recent = RecentBodies(max_bytes=size(rows[4]) + size(rows[3]))
     recent.remember(key, rows[4].flow_id, bodies)
     recent.remember((tenant.pk, "other"), rows[3].flow_id, bodies)
     recent.remember((tenant.pk, "third"), rows[2].flow_id, bodies)
     assert recent.seed({key}) == {}  # the least recently used went first
     assert known_flows(recent.seed({(tenant.pk, "third")})) == {rows[2].flow_id}
+
+
+def test_the_step_builder_opens_a_batch_from_the_last_call_it_opened(tenant, agent, tmp_path):
+    """The step builder keeps each trajectory's last opened call (tasks.RECENT_BODIES): a second
+    batch of the same trajectory rebuilds from it, not from the chain's start — here the
+    chain's first calls no longer open at all, and the second batch still builds."""
+    from governance.capture.shipper import ship_once
+    from governance.models import Interaction, Step
+    from governance.tasks import build_group
+    from tests.pipeline import write_records
+
+    traj, records = _long_session(tenant, agent, 10)
+    write_records(tmp_path, records)
+    shipped: list[int] = []
+    ship_once(tmp_path, enqueue=shipped.extend)
+    ids = list(Interaction.objects.filter(trajectory_id=traj).order_by("started_at")
+               .values_list("pk", flat=True))
+    assert len(ids) == 10  # one chain: a whole copy, then nine deltas
+    assert Interaction.objects.filter(trajectory_id=traj, raw_base_flow="").count() == 1
+    build_group(tenant.pk, ids[:5], coalesce=False)  # two batches, not one coalesced
+    assert Step.objects.filter(trajectory_id=traj).count() == 5
+    # What a cold open of call 5 would need first: calls 0-3 (4 is kept by the builder).
+    Interaction.objects.filter(pk__in=ids[:4]).update(raw_ciphertext=None)
+    build_group(tenant.pk, ids[5:], coalesce=False)
+    assert Step.objects.filter(trajectory_id=traj).count() == 10
+    assert all(r.state == "processed" for r in Interaction.objects.filter(pk__in=ids))
 
 
 def _shipped_session(tenant, agent, tmp_path, calls: int

@@ -21,10 +21,10 @@ import base64
 import hashlib
 import struct
 import zlib
-from collections import OrderedDict
 from typing import Any
 
 import orjson
+from cachetools import LRUCache
 from django.db import connection
 
 from governance.keyring import unwrap_data_key, wrap_data_key
@@ -363,39 +363,35 @@ class RecentBodies:
 
     MAX_BYTES = 64 * 1024 * 1024
 
-    def __init__(self) -> None:
-        self._last: OrderedDict[Any, tuple[str, bytes, bytes, bytes]] = OrderedDict()
-        self._bytes = 0
+    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
+        # (flow id, request body, response body, exchange head) by trajectory.
+        self._last: LRUCache[Any, tuple[str, bytes, bytes, bytes]] = LRUCache(
+            max_bytes, getsizeof=lambda entry: sum(len(part) for part in entry[1:]))
 
     def seed(self, trajectory_ids: set[Any]) -> dict[str, bytes]:
         """`open_raw`'s `bodies` for a batch of these trajectories ((tenant id, trajectory
         id) pairs, as everywhere here): what is kept of them."""
         bodies: dict[str, bytes] = {}
         for tid in trajectory_ids:
-            if tid in self._last:
-                self._last.move_to_end(tid)
-                flow, request, response, head = self._last[tid]
+            entry = self._last.get(tid)
+            if entry is not None:
+                flow, request, response, head = entry
                 bodies.update({flow: request, _response_key(flow): response,
                                _head_key(flow): head})
         return bodies
 
     def remember(self, trajectory_id: Any, flow_id: str, bodies: dict[str, bytes]) -> None:
         """Keep the call `flow_id` (opened into `bodies`) as its trajectory's last."""
-        if flow_id not in bodies or _head_key(flow_id) not in bodies:
-            return
         self.forget(trajectory_id)
+        if not _opened(bodies, flow_id):
+            return
         entry = (flow_id, bodies[flow_id], bodies[_response_key(flow_id)],
                  bodies[_head_key(flow_id)])
-        self._last[trajectory_id] = entry
-        self._bytes += sum(len(part) for part in entry[1:])
-        while self._bytes > self.MAX_BYTES and self._last:
-            _, dropped = self._last.popitem(last=False)
-            self._bytes -= sum(len(part) for part in dropped[1:])
+        if self._last.getsizeof(entry) <= self._last.maxsize:
+            self._last[trajectory_id] = entry  # least recently used ones dropped for room
 
     def forget(self, trajectory_id: Any) -> None:
-        old = self._last.pop(trajectory_id, None)
-        if old is not None:
-            self._bytes -= sum(len(part) for part in old[1:])
+        self._last.pop(trajectory_id, None)
 
 
 def known_flows(bodies: dict[str, bytes]) -> set[str]:

@@ -45,7 +45,7 @@ import re
 import socket
 import time
 import uuid
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from cachetools import LRUCache
 from django.conf import settings
 from django.db import (
     DatabaseError,
@@ -245,8 +246,8 @@ class RawBases:
     MAX_BYTES = 64 * 1024 * 1024
 
     def __init__(self) -> None:
-        self._bases: OrderedDict[uuid.UUID, RawBase] = OrderedDict()
-        self._bytes = 0
+        self._bases: LRUCache[uuid.UUID, RawBase] = LRUCache(self.MAX_BYTES,
+                                                             getsizeof=RawBase.size)
 
     def delta(self, p: _Prepared, data_key_id: int, pending: dict[uuid.UUID, RawBase]
               ) -> tuple[dict[str, Any] | None, bytes | None]:
@@ -275,16 +276,9 @@ class RawBases:
 
     def commit(self, pending: dict[uuid.UUID, RawBase], lost: set[str]) -> None:
         for tid, base in pending.items():
-            old = self._bases.pop(tid, None)
-            if old is not None:
-                self._bytes -= old.size()
-            if base.flow_id in lost:
-                continue
-            self._bases[tid] = base
-            self._bytes += base.size()
-        while self._bytes > self.MAX_BYTES and self._bases:
-            _, dropped = self._bases.popitem(last=False)
-            self._bytes -= dropped.size()
+            self._bases.pop(tid, None)
+            if base.flow_id not in lost and base.size() <= self.MAX_BYTES:
+                self._bases[tid] = base  # least recently used ones dropped to make room
 
 
 class Shipper:
