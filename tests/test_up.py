@@ -344,7 +344,12 @@ def test_up_restarts_a_dead_service_while_the_proxy_keeps_serving(tmp_path, thro
             _wait_restarted(up, var, name, old["pid"])
             assert re.search(rf"{name} exited unexpectedly \(killed by SIGKILL\)", up.output)
             assert re.search(rf"restarting {name} in 1s", up.output), up.output[-3000:]
-            assert re.search(rf"{name} restarted \(pid \d+\)", up.output)
+            # The supervisor writes up.json before it says "restarted", and its output
+            # reaches us through a pipe: wait for the line rather than race it.
+            said = time.monotonic() + 10
+            while not re.search(rf"{name} restarted \(pid \d+\)", up.output):
+                assert time.monotonic() < said, up.output[-3000:]
+                time.sleep(0.1)
             deadline = time.monotonic() + 20
             while load.ok < before + 5 and time.monotonic() < deadline:
                 time.sleep(0.1)
