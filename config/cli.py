@@ -313,7 +313,11 @@ def write_run_file(path: Path, children: list[Child]) -> None:
              for c in children if c.pid]
     data = {"pid": os.getpid(), "created": _create_time(os.getpid()), "children": procs}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
+    # Write then rename: `steward down` and anyone watching read this file while the
+    # supervisor rewrites it after a restart, and must never see it empty or half written.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, path)
 
 
 def _same_process(entry: dict[str, Any]) -> bool:
