@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -105,6 +106,33 @@ from governance.sanitizing import (
 from governance.tenancy import interaction_tenants, tenant_context
 
 log = logging.getLogger("steward.capture")
+
+
+class StageClock:
+    """Wall time by stage of one builder batch, for its log line: where a batch's time goes
+    (claiming, opening raw payloads, the sanitizer's NER pass, building the rows, writing
+    them) is what an operator, and tests/bench/long_sessions.py, needs to tell a slow
+    sanitizer from small batches or a slow database."""
+
+    STAGES = ("claim", "open", "sanitize", "fields", "store")
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = dict.fromkeys(self.STAGES, 0.0)
+        self.trajectories = 0  # distinct trajectories in the batch
+        self.cached = 0  # of them, how many started from RecentBodies (no chain re-read)
+        self.built: list[int] = []  # interaction ids, those taken along included
+        self.quarantined = 0
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.ms[stage] += (now - self._last) * 1000
+        self._last = now
+
+    def describe(self) -> str:
+        stages = ", ".join(f"{name} {self.ms[name]:.0f}" for name in self.STAGES)
+        return (f"in {sum(self.ms.values()):.0f} ms: {stages} ms; {self.cached} of "
+                f"{self.trajectories} trajectories' last calls cached")
 
 
 # One body through the whole sanitizer when a worker starts. Loading it is not enough: its
@@ -509,7 +537,8 @@ def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
 
 
 def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
-                coalesce: bool = True) -> dict[str, list[int]]:
+                coalesce: bool = True, clock: StageClock | None = None
+                ) -> dict[str, list[int]]:
     """Build the steps of these interactions of one tenant (see the module docstring). Runs
     in the tenant's scope, in the caller's transaction or its own.
 
@@ -517,7 +546,9 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
     interactions still waiting (`captured`, not locked by another worker) — adaptive batching:
     when the workers fall behind, the shipper's many small batches become few large ones (one
     NER pass, one transaction each), and the tasks of the interactions taken along find them
-    built and skip them. Returned under "coalesced" (not in "built"/"quarantined")."""
+    built and skip them. Returned under "coalesced" (not in "built"/"quarantined").
+    `clock`: timed by stage into it (the caller logs it once the batch has committed)."""
+    clock = clock or StageClock()
     done: dict[str, list[int]] = {"built": [], "quarantined": [], "skipped": [],
                                   "coalesced": []}
     with tenant_context(tenant_id):
@@ -549,6 +580,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             return done
         claimed.sort(key=lambda ia: (ia.started_at, ia.pk))
         requested = set(pks)
+        clock.lap("claim")
         tenant = Tenant.objects.get(pk=tenant_id)
         index_rows: list[SubjectIndex] = []
 
@@ -565,6 +597,8 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         # Chains end at the last call this process opened of each trajectory (RecentBodies).
         bodies = RECENT_BODIES.seed({(ia.tenant_id, ia.trajectory_id) for ia in claimed})
         bases = delta_bases(claimed, known_flows(bodies))
+        clock.trajectories = len({ia.trajectory_id for ia in claimed})
+        clock.cached = len(known_flows(bodies))
         for ia in claimed:  # in call order: the last opened of a trajectory is kept
             outcome = _open(ia, bodies, bases)
             if isinstance(outcome, str):
@@ -573,9 +607,11 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             else:
                 parsed.append((ia, outcome))
                 RECENT_BODIES.remember((ia.tenant_id, ia.trajectory_id), ia.flow_id, bodies)
+        clock.lap("open")
 
         trajectories, states, before, known, sanitized, failed = _sanitize_unlocked(tenant,
                                                                                      parsed)
+        clock.lap("sanitize")
         for ia, reason in failed:
             quarantine(ia, reason)
         version = sanitizer_for_tenant(tenant).policy.version
@@ -641,6 +677,7 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 write.index_rows.append(row)
         for ia, reason in _link_items(tenant_id, writes, known, new_items, version):
             quarantine(ia, reason)
+        clock.lap("fields")
 
         stored, refused = _store_steps(writes)
         for ia, reason in refused:
@@ -661,11 +698,24 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                                   "findings": dict(sorted(sum(
                                       (Counter(f.counts) for f in findings),
                                       Counter()).items()))})
+        clock.lap("store")
+    clock.built, clock.quarantined = list(done["built"]), len(done["quarantined"])
     if done["coalesced"]:
         taken = set(done["coalesced"])
         done["built"] = [pk for pk in done["built"] if pk not in taken]
         done["quarantined"] = [pk for pk in done["quarantined"] if pk not in taken]
     return done
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """`[3, 4, 5, 9]` as "3-5, 9": a batch's interaction ids, short enough for a log line."""
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive ids
+    for pk in sorted(set(ids)):
+        if runs and pk == runs[-1][1] + 1:
+            runs[-1][1] = pk
+        else:
+            runs.append([pk, pk])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"
 
 
 # Queue "capture" comes from CELERY_TASK_ROUTES (the task-level `queue` option is deprecated).
@@ -689,15 +739,25 @@ def build_steps(interaction_ids: list[int], tenant_id: int | None = None) -> dic
             results["skipped"].append(pk)  # no such interaction (erased, purged)
     # One transaction for the batch; each tenant's group in its own row-level security scope
     # (build_group), so the audit events commit with the steps.
+    timed: list[tuple[int, StageClock]] = []
     with transaction.atomic():
         for group_tenant, group in groups.items():
-            done = build_group(group_tenant, group, harness)
+            clock = StageClock()
+            done = build_group(group_tenant, group, harness, clock=clock)
+            timed.append((group_tenant, clock))
             coalesced += len(done.pop("coalesced"))
             for outcome, ids in done.items():
                 results[outcome].extend(ids)
+        in_groups = time.perf_counter()
+    committed = time.perf_counter()
+    for group_tenant, clock in timed:
+        if clock.built or clock.quarantined:
+            log.info("capture: tenant %s: built %d steps (interactions %s), quarantined %d %s",
+                     group_tenant, len(clock.built), _id_ranges(clock.built),
+                     clock.quarantined, clock.describe())
     log.info("capture: built %d steps, quarantined %d, skipped %d (and %d waiting ones taken "
-             "along)", len(results["built"]), len(results["quarantined"]),
-             len(results["skipped"]), coalesced)
+             "along); commit %.0f ms", len(results["built"]), len(results["quarantined"]),
+             len(results["skipped"]), coalesced, (committed - in_groups) * 1000)
     # The ids asked for; interactions taken along are counted by their own (skipped) task.
     return {k: len(v) for k, v in results.items()}
 

@@ -98,6 +98,12 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
         # runs (the warm-up's too) left room in; all of them together do not.
         assert run["db_growth_bytes"] >= 0 and run["atdp_bytes"] > 0
         assert run["time_to_sanitized_s"] > 0 and run["lag_p95_s"] is not None
+        # The worker's log lines of the run's batches account for every step.
+        worker = run["worker"]
+        assert worker["steps"] == 3 and 1 <= worker["batches"] <= 3, worker
+        assert set(worker["stage_s"]) == {"claim", "open", "sanitize", "fields", "store",
+                                          "commit"}
+        assert worker["stage_s"]["sanitize"] > 0, worker
     assert sum(r["db_growth_bytes"] for r in (*runs.values(), shape["paced"])) > 0
     # One trajectory of three steps for the session, three of one for the one-off calls.
     assert (runs["session"]["trajectories"], runs["session"]["steps_per_trajectory"]) == (1, [3, 3])
@@ -110,7 +116,7 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
                   "ATDP documents MB", "database bytes / new byte", "NER floor calls/s",
                   "session/1-off", "issue 16's table", "session KB per call by table",
                   "one-off KB per call by table", "open the last call's raw payload ms",
-                  "raw payloads sealed whole"):
+                  "raw payloads sealed whole", "session worker", "one-off worker"):
         assert label in proc.stdout
 
 

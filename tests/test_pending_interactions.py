@@ -61,6 +61,41 @@ def test_building_a_step_deletes_the_pending_row_and_never_rewrites_the_interact
     assert Step.objects.filter(trajectory_id=traj).count() == 2
 
 
+def test_a_built_batch_logs_its_tenant_ids_and_time_by_stage(tenant, agent, tmp_path, caplog):
+    """One line per tenant group, after the commit: which interactions, and where the
+    batch's time went (what tests/bench/long_sessions.py sums per run)."""
+    import logging
+    import re
+
+    from governance.capture.shipper import ship_once
+    from governance.tasks import build_steps
+    from tests.pipeline import write_records
+
+    traj = str(uuid.uuid4())
+    write_records(tmp_path, _calls(tenant, agent, traj))
+    ship_once(tmp_path, enqueue=lambda ids: None)
+    ids = sorted(Interaction.objects.filter(trajectory_id=traj).values_list("pk", flat=True))
+    built = [pk for pk in ids if pk != ids[1]]  # the second call is quarantined
+    with caplog.at_level(logging.INFO, logger="steward.capture"):
+        build_steps(ids)
+    lines = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith(f"capture: tenant {tenant.pk}: built ")]
+    assert len(lines) == 1, caplog.text
+    assert re.fullmatch(
+        rf"capture: tenant {tenant.pk}: built 2 steps \(interactions {built[0]}, {built[1]}\), "
+        r"quarantined 1 in \d+ ms: claim \d+, open \d+, sanitize \d+, fields \d+, "
+        r"store \d+ ms; 0 of 1 trajectories' last calls cached", lines[0]), lines[0]
+    assert re.search(r"capture: built 2 steps, quarantined 1, skipped 0 .*; commit \d+ ms",
+                     caplog.text)
+
+
+def test_id_ranges_are_short_for_a_log_line():
+    from governance.tasks import _id_ranges
+
+    assert _id_ranges([9, 3, 4, 5, 5, 11, 12]) == "3-5, 9, 11-12"
+    assert _id_ranges([]) == "-"
+
+
 def test_a_pending_row_whose_interaction_is_gone_is_dropped_when_claimed(tenant, agent):
     from governance.tasks import build_steps
     from tests.govdata import make_trajectory

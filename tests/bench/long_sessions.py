@@ -556,6 +556,8 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
 
     calls = sum(len(s) for s in scripts)
     before = table_sizes()
+    worker_log = app.tmp / "worker.log"
+    log_from = worker_log.stat().st_size if worker_log.exists() else 0
     errors: list[BaseException] = []
     t0 = time.time()
 
@@ -583,6 +585,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         app.check_alive()
         time.sleep(0.25)
     after = table_sizes()
+    worker = worker_stages(worker_log, log_from, calls)
     with tenant_context(app.tenant):
         rows = list(Step.objects.filter(trajectory__agent__name=agent)
                     .values_list("created_at", "interaction__started_at"))
@@ -617,7 +620,51 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         "new_bytes_per_call": round(new_bytes / calls),
         "db_bytes_per_call": round(sum(growth.values()) / calls),
         "rate": rate, "raw_open_last_ms": open_ms, "raw_whole_copies": whole,
+        "worker": worker,
     }
+
+
+# The worker's line per built batch (governance.tasks.StageClock) and per task's commit.
+BATCH_LINE = re.compile(r"capture: tenant \d+: built (\d+) steps .*? in \d+ ms: (.*?) ms; "
+                        r"(\d+) of (\d+) trajectories' last calls cached")
+COMMIT_LINE = re.compile(r"capture: built \d+ steps, .*; commit (\d+) ms")
+
+
+def worker_stages(path: Path, offset: int, calls: int, wait_s: float = 5.0) -> dict:
+    """What the worker's log says of this run's batches (from `offset` on): how many, their
+    steps, and the seconds spent by stage, summed over the worker's processes (so they can
+    pass the run's wall time). A batch logs after its commit, so the last line can follow the
+    last step by a moment: read until the lines account for every call, or `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode("utf-8", "replace")
+        batches = list(BATCH_LINE.finditer(text))
+        steps = sum(int(m.group(1)) for m in batches)
+        if steps >= calls or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    stage_s: dict[str, float] = {}
+    for m in batches:
+        for part in m.group(2).split(", "):
+            name, ms = part.rsplit(" ", 1)
+            stage_s[name] = stage_s.get(name, 0.0) + int(ms) / 1000
+    stage_s["commit"] = sum(int(m.group(1)) for m in COMMIT_LINE.finditer(text)) / 1000
+    return {"batches": len(batches), "steps": steps,
+            "stage_s": {k: round(v, 2) for k, v in stage_s.items()},
+            "cached": sum(int(m.group(3)) for m in batches),
+            "trajectory_batches": sum(int(m.group(4)) for m in batches)}
+
+
+def worker_line(r: dict) -> str:
+    """The run's builder batches and their seconds by stage, for the shape table."""
+    w = r.get("worker") or {}
+    if not w.get("batches"):
+        return "-"
+    stages = ", ".join(f"{k} {v:.2f}" for k, v in w["stage_s"].items())
+    return (f"{w['batches']} batches of {w['steps'] / w['batches']:.1f} steps; s: {stages}; "
+            f"cached chains {w['cached']}/{w['trajectory_batches']}")
 
 
 def raw_open_figures(trajectories: list) -> tuple[float | None, int]:
@@ -802,6 +849,10 @@ def shape_table(entry: dict) -> str:
         lines.append(f"{m + ' KB per call by table':38}" + by_table(runs[m]))
     if "paced" in entry:
         lines.append(f"{'paced KB per call by table':38}" + by_table(entry["paced"]))
+    for m in modes:  # where the worker's time goes (what explains a slow run)
+        lines.append(f"{m + ' worker':38}" + worker_line(runs[m]))
+    if "paced" in entry:
+        lines.append(f"{'paced worker':38}" + worker_line(entry["paced"]))
     for what, value, limit, met in targets(entry):
         lines.append(f"target {what:<48} {_fmt(value):>8} <= {limit:<5} "
                      f"{'met' if met else 'MISSED'}")
