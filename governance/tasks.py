@@ -39,6 +39,7 @@ own scope; beat tasks iterate the tenants.
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -49,7 +50,7 @@ from typing import Any
 from celery import shared_task
 from celery.signals import worker_init
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from governance.audit import record_event
@@ -122,6 +123,10 @@ class StageClock:
         self.cached = 0  # of them, how many started from RecentBodies (no chain re-read)
         self.built: list[int] = []  # interaction ids, those taken along included
         self.quarantined = 0
+        # Strings the sanitizer's detection was asked for, and how many of them the
+        # process's AnalysisCache answered (governance/sanitizing.py).
+        self.analysed = 0
+        self.analysis_hits = 0
         self._last = time.perf_counter()
 
     def lap(self, stage: str) -> None:
@@ -132,7 +137,8 @@ class StageClock:
     def describe(self) -> str:
         stages = ", ".join(f"{name} {self.ms[name]:.0f}" for name in self.STAGES)
         return (f"in {sum(self.ms.values()):.0f} ms: {stages} ms; {self.cached} of "
-                f"{self.trajectories} trajectories' last calls cached")
+                f"{self.trajectories} trajectories' last calls cached; {self.analysis_hits} of "
+                f"{self.analysed} strings' detection cached")
 
 
 # One body through the whole sanitizer when a worker starts. Loading it is not enough: its
@@ -183,6 +189,14 @@ PENDING_BATCH = 100
 PENDING_MAX = 10_000
 # Interactions per sanitizer batch (one NER pass, one transaction).
 BATCH_MAX = 64
+# One builder per trajectory at a time (decision 42): a batch whose trajectory another worker
+# is building leaves those calls for a retry this much later, at most DEFER_MAX times; the
+# last try waits for the other builder instead.
+DEFER_S = 0.5
+DEFER_MAX = 20
+# A batch that holds this many calls already leaves the further sessions (trajectories with
+# more than one waiting call) to a task of their own, which an idle worker builds meanwhile.
+SPLIT_AT = 4
 # This worker process's last opened call of each trajectory (rawstore.RecentBodies).
 RECENT_BODIES = RecentBodies()
 
@@ -536,9 +550,64 @@ def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
                          **packed)]
 
 
+def _building_key(trajectory_id: Any) -> int:
+    """The advisory lock key that says "a worker is building this trajectory's steps"."""
+    digest = hashlib.blake2b(b"steward.build:" + str(trajectory_id).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big", signed=True)
+
+
+class BatchPlan:
+    """Which waiting calls one builder batch takes (decision 42). One builder per trajectory:
+    a trajectory's calls are built by the worker holding its building lock (an advisory lock
+    for the transaction), so no two batches sanitize one session's new messages twice. And
+    the sessions of one task are spread over the workers: once the batch holds SPLIT_AT
+    calls, a further trajectory with several waiting calls is left to another task.
+    Trajectories are taken oldest call first; `wait`: wait for a lock another worker holds
+    instead of leaving its calls (the last of a call's retries)."""
+
+    def __init__(self, wait: bool = False, split: bool = True) -> None:
+        self.wait = wait
+        self.split = split
+        self.held: set[Any] = set()
+        self.busy: set[Any] = set()
+        self.calls = 0
+
+    def _lock(self, trajectory_id: Any) -> bool:
+        function = "pg_advisory_xact_lock" if self.wait else "pg_try_advisory_xact_lock"
+        with connection.cursor() as cur:
+            cur.execute(f"SELECT {function}(%s)", [_building_key(trajectory_id)])
+            return self.wait or bool(cur.fetchone()[0])
+
+    def choose(self, calls: dict[int, Any]) -> tuple[list[int], list[int], list[int]]:
+        """`calls`: interaction id -> trajectory id. (take, busy: another worker builds
+        their trajectories, split: left to another task)."""
+        by_trajectory: dict[Any, list[int]] = {}
+        for pk, tid in sorted(calls.items()):
+            by_trajectory.setdefault(tid, []).append(pk)
+        take: list[int] = []
+        busy: list[int] = []
+        split: list[int] = []
+        for tid, ids in by_trajectory.items():
+            if tid in self.busy:
+                busy += ids
+            elif tid in self.held:
+                take += ids
+            elif self.split and len(ids) > 1 and self.calls >= SPLIT_AT:
+                split += ids
+            elif self._lock(tid):
+                self.held.add(tid)
+                take += ids
+            else:
+                self.busy.add(tid)
+                busy += ids
+            if tid in self.held:
+                self.calls += len(ids)
+        return take, busy, split
+
+
 def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
-                coalesce: bool = True, clock: StageClock | None = None
-                ) -> dict[str, list[int]]:
+                coalesce: bool = True, clock: StageClock | None = None,
+                wait: bool = False, split: bool = False) -> dict[str, list[int]]:
     """Build the steps of these interactions of one tenant (see the module docstring). Runs
     in the tenant's scope, in the caller's transaction or its own.
 
@@ -547,23 +616,53 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
     when the workers fall behind, the shipper's many small batches become few large ones (one
     NER pass, one transaction each), and the tasks of the interactions taken along find them
     built and skip them. Returned under "coalesced" (not in "built"/"quarantined").
-    `clock`: timed by stage into it (the caller logs it once the batch has committed)."""
+    `clock`: timed by stage into it (the caller logs it once the batch has committed).
+
+    One builder per trajectory: the calls of a trajectory that another worker is building
+    now are left waiting, returned under "deferred" for the caller to ask again after that
+    worker's commit (`wait`: wait for it here instead); with `split` (a worker's task), the
+    sessions beyond the batch's first SPLIT_AT calls go to a task of their own (BatchPlan).
+    Two batches of one session built at once cost the NER pass twice: the later one finds
+    the earlier one's new messages not stored yet and sanitizes them itself, then sanitizes
+    its own again when it finds the trajectory's state moved on (_sanitize_unlocked) —
+    measured at 60 calls, 2.7x the NER time of the same content sent as one-off calls
+    (decision 42)."""
     clock = clock or StageClock()
     done: dict[str, list[int]] = {"built": [], "quarantined": [], "skipped": [],
-                                  "coalesced": []}
+                                  "coalesced": [], "deferred": []}
     with tenant_context(tenant_id):
         # Claimed by locking their PendingInteraction rows: a worker that built a call
         # deleted its row, so another worker's claim skips it whether it is still locked
         # (skip_locked) or already gone (PostgreSQL re-checks a row deleted meanwhile).
-        waiting = (PendingInteraction.objects.for_tenant(tenant_id)
-                   .select_for_update(skip_locked=True)
-                   .filter(state=PendingInteraction.State.CAPTURED)
-                   .values_list("interaction_id", flat=True))
-        claimed_ids = set(waiting.filter(interaction_id__in=pks)[:len(pks)])
-        done["skipped"] = [pk for pk in pks if pk not in claimed_ids]
+        # Which calls, and so which trajectories, are decided on an unlocked read first: a
+        # row locked here stays locked until this batch commits, so what is left to another
+        # worker must not be.
+        pending = (PendingInteraction.objects.for_tenant(tenant_id)
+                   .filter(state=PendingInteraction.State.CAPTURED))
+        waiting = pending.select_for_update(skip_locked=True).values_list("interaction_id",
+                                                                          flat=True)
+        plan = BatchPlan(wait=wait, split=split)
+        take, busy, split = plan.choose(dict(
+            pending.filter(interaction_id__in=pks).values_list("interaction_id",
+                                                               "trajectory_id")))
+        done["deferred"] = busy
+        if split:
+            # Committed already (the shipper's), so asked for now, not at this commit: an
+            # idle worker builds them while this one builds the rest.
+            build_steps.apply_async((split,), {"tenant_id": tenant_id})
+            log.info("capture: tenant %s: interactions %s left to another task (sessions "
+                     "beyond this batch's first %d calls)", tenant_id, _id_ranges(split),
+                     SPLIT_AT)
+        claimed_ids = set(waiting.filter(interaction_id__in=take)[:len(take)])
+        done["skipped"] = [pk for pk in pks
+                           if pk not in claimed_ids and pk not in busy and pk not in split]
         if claimed_ids and coalesce and len(claimed_ids) < BATCH_MAX:
-            claimed_ids |= set(waiting.exclude(interaction_id__in=pks)
-                               .order_by("interaction_id")[:BATCH_MAX - len(claimed_ids)])
+            room = BATCH_MAX - len(claimed_ids)
+            # Not `busy` here: these calls have tasks of their own.
+            more, _, _ = plan.choose(dict(
+                pending.exclude(interaction_id__in=pks).order_by("interaction_id")
+                .values_list("interaction_id", "trajectory_id")[:room * 2]))
+            claimed_ids |= set(waiting.filter(interaction_id__in=sorted(more)[:room]))
         if not claimed_ids:
             return done
         claimed = list(Interaction.objects.for_tenant(tenant_id).select_related("data_key")
@@ -609,9 +708,13 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
                 RECENT_BODIES.remember((ia.tenant_id, ia.trajectory_id), ia.flow_id, bodies)
         clock.lap("open")
 
+        analyzer = sanitizer_for_tenant(tenant).analyzer
+        asked = (getattr(analyzer, "hits", 0), getattr(analyzer, "misses", 0))
         trajectories, states, before, known, sanitized, failed = _sanitize_unlocked(tenant,
                                                                                      parsed)
         clock.lap("sanitize")
+        clock.analysis_hits = getattr(analyzer, "hits", 0) - asked[0]
+        clock.analysed = clock.analysis_hits + getattr(analyzer, "misses", 0) - asked[1]
         for ia, reason in failed:
             quarantine(ia, reason)
         version = sanitizer_for_tenant(tenant).policy.version
@@ -722,9 +825,12 @@ def _id_ranges(ids: list[int]) -> str:
 @shared_task(name="governance.tasks.build_steps",
              autoretry_for=(OperationalError, InterfaceError), max_retries=5,
              retry_backoff=True, retry_backoff_max=60, retry_jitter=True)
-def build_steps(interaction_ids: list[int], tenant_id: int | None = None) -> dict[str, int]:
+def build_steps(interaction_ids: list[int], tenant_id: int | None = None,
+                deferrals: int = 0) -> dict[str, int]:
     """Build the steps of these interactions. `tenant_id` (optional): they all belong to this
-    tenant — ids of any other tenant are then invisible and skipped."""
+    tenant — ids of any other tenant are then invisible and skipped. Calls of a trajectory
+    that another worker is building are asked for again DEFER_S later, by a task of their
+    own (`deferrals`: how many times before; at DEFER_MAX the task waits instead)."""
     harness = getattr(settings, "STEWARD_HARNESS_VERSION", "")
     results: dict[str, list[int]] = {"built": [], "quarantined": [], "skipped": []}
     coalesced = 0
@@ -740,12 +846,21 @@ def build_steps(interaction_ids: list[int], tenant_id: int | None = None) -> dic
     # One transaction for the batch; each tenant's group in its own row-level security scope
     # (build_group), so the audit events commit with the steps.
     timed: list[tuple[int, StageClock]] = []
+    deferred: dict[int, list[int]] = {}
+    # Sessions are spread over workers only by a worker's task (a direct call, or an eager
+    # one, would leave them to a task nobody runs now).
+    in_worker = (not build_steps.request.called_directly
+                 and not settings.CELERY_TASK_ALWAYS_EAGER)
     with transaction.atomic():
         for group_tenant, group in groups.items():
             clock = StageClock()
-            done = build_group(group_tenant, group, harness, clock=clock)
+            done = build_group(group_tenant, group, harness, clock=clock,
+                               wait=deferrals >= DEFER_MAX, split=in_worker)
             timed.append((group_tenant, clock))
             coalesced += len(done.pop("coalesced"))
+            if done["deferred"]:
+                deferred[group_tenant] = done["deferred"]  # asked for again, below
+            del done["deferred"]
             for outcome, ids in done.items():
                 results[outcome].extend(ids)
         in_groups = time.perf_counter()
@@ -758,8 +873,18 @@ def build_steps(interaction_ids: list[int], tenant_id: int | None = None) -> dic
     log.info("capture: built %d steps, quarantined %d, skipped %d (and %d waiting ones taken "
              "along); commit %.0f ms", len(results["built"]), len(results["quarantined"]),
              len(results["skipped"]), coalesced, (committed - in_groups) * 1000)
+    for group_tenant, ids in deferred.items():
+        log.info("capture: tenant %s: interactions %s deferred (%d of %d): another worker is "
+                 "building their trajectories", group_tenant, _id_ranges(ids), deferrals + 1,
+                 DEFER_MAX)
+        # On commit: inside a caller's transaction the building locks are held until its end.
+        transaction.on_commit(lambda ids=ids, t=group_tenant: build_steps.apply_async(
+            (ids,), {"tenant_id": t, "deferrals": deferrals + 1}, countdown=DEFER_S))
     # The ids asked for; interactions taken along are counted by their own (skipped) task.
-    return {k: len(v) for k, v in results.items()}
+    out = {k: len(v) for k, v in results.items()}
+    if deferred:
+        out["deferred"] = sum(len(ids) for ids in deferred.values())
+    return out
 
 
 @shared_task(name="governance.tasks.build_pending_steps")

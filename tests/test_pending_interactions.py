@@ -84,9 +84,64 @@ def test_a_built_batch_logs_its_tenant_ids_and_time_by_stage(tenant, agent, tmp_
     assert re.fullmatch(
         rf"capture: tenant {tenant.pk}: built 2 steps \(interactions {built[0]}, {built[1]}\), "
         r"quarantined 1 in \d+ ms: claim \d+, open \d+, sanitize \d+, fields \d+, "
-        r"store \d+ ms; 0 of 1 trajectories' last calls cached", lines[0]), lines[0]
+        r"store \d+ ms; 0 of 1 trajectories' last calls cached; \d+ of [1-9]\d* strings' "
+        r"detection cached", lines[0]), lines[0]
     assert re.search(r"capture: built 2 steps, quarantined 1, skipped 0 .*; commit \d+ ms",
                      caplog.text)
+
+
+def _other_session():
+    """A second connection to the test database (another worker's, as PostgreSQL sees it)."""
+    import psycopg
+
+    cfg = connection.settings_dict
+    return psycopg.connect(dbname=cfg["NAME"], user=cfg["USER"] or None,
+                           host=cfg["HOST"] or None, port=cfg["PORT"] or None,
+                           password=cfg["PASSWORD"] or None, autocommit=True)
+
+
+def test_a_trajectory_another_worker_is_building_is_deferred_not_built_twice(
+        tenant, agent, tmp_path):
+    """Decision 42: one builder per trajectory. While another session holds the trajectory's
+    building lock, a batch of its calls claims nothing, builds nothing and hands the calls
+    back; once the lock is gone the same call builds them."""
+    from governance.capture.shipper import ship_once
+    from governance.tasks import _building_key, build_group
+    from tests.pipeline import write_records
+
+    traj = str(uuid.uuid4())
+    write_records(tmp_path, _calls(tenant, agent, traj))
+    ship_once(tmp_path, enqueue=lambda ids: None)
+    ids = sorted(Interaction.objects.filter(trajectory_id=traj).values_list("pk", flat=True))
+    with _other_session() as other:
+        other.execute("SELECT pg_advisory_lock(%s)", [_building_key(traj)])
+        done = build_group(tenant.pk, ids)
+        assert done["deferred"] == ids and done["built"] == done["quarantined"] == [], done
+        assert done["skipped"] == []
+        assert not Step.objects.filter(trajectory_id=traj).exists()
+        assert set(PendingInteraction.objects.filter(trajectory_id=traj)
+                   .values_list("state", flat=True)) == {"captured"}
+        other.execute("SELECT pg_advisory_unlock(%s)", [_building_key(traj)])
+    done = build_group(tenant.pk, ids)
+    assert (len(done["built"]), len(done["quarantined"]), done["deferred"]) == (2, 1, [])
+
+
+def test_a_batch_leaves_further_sessions_to_another_task_and_takes_one_off_calls(db):
+    """BatchPlan: trajectories oldest call first; once SPLIT_AT calls are held, a trajectory
+    with several calls is split off (another worker builds it meanwhile); single calls and
+    more calls of a held trajectory are always taken; without `split`, everything is."""
+    from governance.tasks import SPLIT_AT, BatchPlan
+
+    first, second, third = (str(uuid.uuid4()) for _ in range(3))
+    calls = {pk: first for pk in range(1, SPLIT_AT + 1)}
+    calls.update({100: second, 101: second, 102: third})
+    plan = BatchPlan(split=True)
+    take, busy, split = plan.choose(calls)
+    assert (take, busy, split) == ([*range(1, SPLIT_AT + 1), 102], [], [100, 101])
+    # Coalescing later: the held session's further calls are taken, the other still not.
+    assert plan.choose({200: first, 201: second, 202: second}) == ([200], [], [201, 202])
+    take, busy, split = BatchPlan(split=False).choose(calls)
+    assert (sorted(take), busy, split) == (sorted(calls), [], [])
 
 
 def test_id_ranges_are_short_for_a_log_line():

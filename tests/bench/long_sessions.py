@@ -28,15 +28,21 @@ its own thread, a call as soon as the previous one was answered):
   one-off   the baseline: the SAME new messages, each call carrying only the system prompt, the
             tools and that turn's new messages (its own X-Steward-Session, so that only the
             resent history differs from the session run).
-Per run it prints the time from the first send until the last step exists (every interaction
-processed or quarantined), the database growth (sum of pg_total_relation_size over every table of
-the app schema, before/after; nothing is deleted between runs), the ATDP documents' bytes
+Every run starts with a fresh worker (stopped and started again, the time until it says ready not
+counted): every run sends the same new content, and a worker that had seen it would answer its
+strings from the sanitizer's detection cache (governance/sanitizing.py's AnalysisCache) instead of
+analysing them — the second run of the same text measured that cache, not the pipeline. Per run it
+prints the time from the first send until the last step exists (every interaction processed or
+quarantined), the database growth (sum of pg_total_relation_size over every table of the app
+schema, before/after; nothing is deleted between runs), the ATDP documents' bytes
 (governance.capture.atdp.trajectory_document of each trajectory), database bytes per call against
 the call's new content (JSON of the new messages), the sustained calls/s (calls / time to
-sanitized) with step lag p50/p95 (step created_at - the proxy's t_request), the time to open
-the raw payload of a session's last call cold (its delta chain read and rebuilt; the worst of
-two sessions) with how many payloads are sealed whole, where a call's bytes go (growth per
-call by table, the largest twelve), and the ratios session / one-off.
+sanitized) with step lag p50/p95 (step created_at - the proxy's t_request), the time to open the
+raw payload of a session's last call cold (its delta chain read and rebuilt; the worst of two
+sessions) with how many payloads are sealed whole, where a call's bytes go (growth per call by
+table, the largest twelve), where the worker's time went (its log line per built batch: batches,
+seconds by stage, delta chains started from the last opened call, strings whose detection was
+cached), and the ratios session / one-off.
 Beside each run, the agent alone: the same calls sent straight to the upstream (no proxy)
 by the same client, timed — what the agent spends building and sending its requests
 whatever sits between it and the model (the openai client's request building grows with a
@@ -370,11 +376,39 @@ class Appliance:
     upstream_url: str = ""  # the local upstream's /v1, for the agent-alone baseline
     warmup_s: float = 0.0
     failed: list[str] = field(default_factory=list)
+    worker_argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    worker_restarts_s: list[float] = field(default_factory=list)
 
     def check_alive(self) -> None:
         dead = [n for n, p in self.processes.items() if p.poll() is not None]
         if dead:
             raise SystemExit(f"{', '.join(dead)} exited; logs in {self.tmp}")
+
+    def restart_worker(self, timeout: float = 180) -> None:
+        """A fresh worker (as `steward up` starts it) before a run, so that no run finds
+        what an earlier one left in its processes: the sanitizer's detection cache
+        (AnalysisCache) answers a string it analysed before, and every run sends the same
+        new content as the others (the one-off baseline too). Back when it says ready."""
+        t0 = time.monotonic()
+        stop_processes([self.processes["worker"]])
+        log_path = self.tmp / "worker.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        with open(log_path, "ab") as log:
+            self.processes["worker"] = subprocess.Popen(
+                self.worker_argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                if re.search(rb"@\S+ ready\.", f.read()):
+                    break
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the restarted worker was not ready in {timeout:.0f} s; "
+                                 f"logs in {self.tmp}")
+            time.sleep(0.25)
+        self.worker_restarts_s.append(round(time.monotonic() - t0, 1))
 
 
 def require_services(server: str, broker: str) -> None:
@@ -420,6 +454,7 @@ def appliance(server: str, broker: str, agents: list[str], keep_db: bool = False
         conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{db_name}"')
     processes: dict[str, subprocess.Popen] = {}
+    worker_argv: list[str] = []
     stop_upstream: Callable[[], None] | None = None
     ok = False
     try:
@@ -448,6 +483,7 @@ def appliance(server: str, broker: str, agents: list[str], keep_db: bool = False
             argv = service_argv(name, cfg, single_host=True)
             if name == "worker":
                 argv += ["-n", f"bench-long-{run_id}@%h"]  # the last -n wins
+                worker_argv = argv
             with open(tmp / f"{name}.log", "wb") as log:
                 processes[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log,
                                                    stderr=subprocess.STDOUT)
@@ -457,7 +493,8 @@ def appliance(server: str, broker: str, agents: list[str], keep_db: bool = False
         for secret in keys.values():
             wait_for_key(proxy, secret)
         yield Appliance(proxy.base_url, tenant, keys, processes, tmp,
-                        upstream_url=upstream.rstrip("/").removesuffix("/v1") + "/v1")
+                        upstream_url=upstream.rstrip("/").removesuffix("/v1") + "/v1",
+                        worker_argv=worker_argv, env=env)
         ok = True
     finally:
         stop_processes(list(processes.values()))
@@ -545,9 +582,10 @@ def agent_alone(app: Appliance, scripts: list[list[list[dict]]], mode: str) -> f
 
 
 def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
-        rate: float | None, drain_timeout: float) -> dict:
+        rate: float | None, drain_timeout: float, fresh_worker: bool = True) -> dict:
     """Send `scripts` (one per concurrent session) as `mode`; wait until every call is a step.
-    `rate`: calls/s over all sessions (None: each call as soon as the previous one answered)."""
+    `rate`: calls/s over all sessions (None: each call as soon as the previous one answered).
+    `fresh_worker`: restart the worker first (Appliance.restart_worker)."""
     import orjson
 
     from governance.capture.atdp import trajectory_document
@@ -555,6 +593,8 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
     from governance.tenancy import tenant_context
 
     calls = sum(len(s) for s in scripts)
+    if fresh_worker:
+        app.restart_worker()
     before = table_sizes()
     worker_log = app.tmp / "worker.log"
     log_from = worker_log.stat().st_size if worker_log.exists() else 0
@@ -626,7 +666,8 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
 
 # The worker's line per built batch (governance.tasks.StageClock) and per task's commit.
 BATCH_LINE = re.compile(r"capture: tenant \d+: built (\d+) steps .*? in \d+ ms: (.*?) ms; "
-                        r"(\d+) of (\d+) trajectories' last calls cached")
+                        r"(\d+) of (\d+) trajectories' last calls cached; "
+                        r"(\d+) of (\d+) strings' detection cached")
 COMMIT_LINE = re.compile(r"capture: built \d+ steps, .*; commit (\d+) ms")
 
 
@@ -654,7 +695,9 @@ def worker_stages(path: Path, offset: int, calls: int, wait_s: float = 5.0) -> d
     return {"batches": len(batches), "steps": steps,
             "stage_s": {k: round(v, 2) for k, v in stage_s.items()},
             "cached": sum(int(m.group(3)) for m in batches),
-            "trajectory_batches": sum(int(m.group(4)) for m in batches)}
+            "trajectory_batches": sum(int(m.group(4)) for m in batches),
+            "analysis_hits": sum(int(m.group(5)) for m in batches),
+            "analysed": sum(int(m.group(6)) for m in batches)}
 
 
 def worker_line(r: dict) -> str:
@@ -664,7 +707,8 @@ def worker_line(r: dict) -> str:
         return "-"
     stages = ", ".join(f"{k} {v:.2f}" for k, v in w["stage_s"].items())
     return (f"{w['batches']} batches of {w['steps'] / w['batches']:.1f} steps; s: {stages}; "
-            f"cached chains {w['cached']}/{w['trajectory_batches']}")
+            f"cached chains {w['cached']}/{w['trajectory_batches']}, "
+            f"detection {w['analysis_hits']}/{w['analysed']}")
 
 
 def raw_open_figures(trajectories: list) -> tuple[float | None, int]:
@@ -726,7 +770,8 @@ def bench(args: argparse.Namespace) -> dict:
         loader.start()
         warm = [script(1, 2, 1024, args.corpus)]
         t0 = time.monotonic()
-        run(app, "bench-warmup", warm, "session", None, args.drain_timeout)
+        run(app, "bench-warmup", warm, "session", None, args.drain_timeout,
+            fresh_worker=False)
         app.warmup_s = round(time.monotonic() - t0, 1)
         loader.join()
         nlp = loaded["nlp"]  # as the sanitizer loads it (governance.sanitizer.core)
@@ -752,7 +797,9 @@ def bench(args: argparse.Namespace) -> dict:
             print(shape_table(entry), flush=True)
         failed = list(app.failed)
         warmup_s = app.warmup_s
+        restarts = app.worker_restarts_s
     return {"corpus": args.corpus, "shapes": shapes, "failed": failed, "warmup_s": warmup_s,
+            "worker_restart_s": (round(statistics.mean(restarts), 1) if restarts else None),
             "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
@@ -962,7 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = bench(args)
     print(summary_table(result))
-    print(f"\nwall {result['wall_s']} s, warm-up {result['warmup_s']} s, {result['cpus']} CPUs, "
+    print(f"\nwall {result['wall_s']} s, warm-up {result['warmup_s']} s, worker restart "
+          f"{result['worker_restart_s']} s (mean, before each run), {result['cpus']} CPUs, "
           f"load average {result['load_avg_1m']}, corpus {result['corpus']}")
     for line in result["failed"]:
         print(f"FAILED: {line}")
