@@ -4,6 +4,7 @@ as the shipper inserted it — no new row version, no new index entries."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -106,7 +107,7 @@ def test_a_trajectory_another_worker_is_building_is_deferred_not_built_twice(
     building lock, a batch of its calls claims nothing, builds nothing and hands the calls
     back; once the lock is gone the same call builds them."""
     from governance.capture.shipper import ship_once
-    from governance.tasks import _building_key, build_group
+    from governance.tasks import build_group, building_lock
     from tests.pipeline import write_records
 
     traj = str(uuid.uuid4())
@@ -114,14 +115,15 @@ def test_a_trajectory_another_worker_is_building_is_deferred_not_built_twice(
     ship_once(tmp_path, enqueue=lambda ids: None)
     ids = sorted(Interaction.objects.filter(trajectory_id=traj).values_list("pk", flat=True))
     with _other_session() as other:
-        other.execute("SELECT pg_advisory_lock(%s)", [_building_key(traj)])
+        other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", [building_lock(traj)])
         done = build_group(tenant.pk, ids)
         assert done["deferred"] == ids and done["built"] == done["quarantined"] == [], done
         assert done["skipped"] == []
         assert not Step.objects.filter(trajectory_id=traj).exists()
         assert set(PendingInteraction.objects.filter(trajectory_id=traj)
                    .values_list("state", flat=True)) == {"captured"}
-        other.execute("SELECT pg_advisory_unlock(%s)", [_building_key(traj)])
+        other.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
+                      [building_lock(traj)])
     done = build_group(tenant.pk, ids)
     assert (len(done["built"]), len(done["quarantined"]), done["deferred"]) == (2, 1, [])
 
@@ -142,6 +144,61 @@ def test_a_batch_leaves_further_sessions_to_another_task_and_takes_one_off_calls
     assert plan.choose({200: first, 201: second, 202: second}) == ([200], [], [201, 202])
     take, busy, split = BatchPlan(split=False).choose(calls)
     assert (sorted(take), busy, split) == (sorted(calls), [], [])
+
+
+def _wait_for(predicate, timeout: float, what: str, log) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.25)
+
+
+def test_a_real_worker_defers_a_busy_session_and_splits_off_the_next(transactional_db, tmp_path):
+    """Decision 42 through a real Celery worker: one task asks for three sessions of five
+    calls. The first session's building lock is held elsewhere (another worker building it):
+    its calls are deferred and retried, not built twice; the second is built by the task; the
+    third, beyond SPLIT_AT calls, goes to a task of its own. Once the lock is gone, the retry
+    builds the first — every call ends up a step."""
+    from governance.capture.shipper import ship_once
+    from governance.services import create_tenant, ensure_agent
+    from governance.tasks import SPLIT_AT, build_steps, building_lock
+    from tests.live import celery_worker
+    from tests.pipeline import write_records
+
+    assert SPLIT_AT <= 5
+    tenant = create_tenant("system:test", "defer", "Defer Bank")[0]
+    agent = ensure_agent("system:test", tenant, "defer-bot")
+    busy, built, split = (str(uuid.uuid4()) for _ in range(3))
+    t0 = time.time() - 60
+    records = [make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + 10 * k + i,
+                           request={"model": "m", "messages": [
+                               {"role": "user", "content": f"Question {i} of {k}"}]},
+                           response=chat_response(f"Answer {i}"))
+               for k, traj in enumerate((busy, built, split)) for i in range(5)]
+    write_records(tmp_path / "spool", records)
+    collected: list[int] = []
+    ship_once(tmp_path / "spool", enqueue=collected.extend)
+    assert len(collected) == 15
+
+    def steps(traj: str) -> int:
+        return Step.objects.filter(trajectory_id=traj).count()
+
+    log = tmp_path / "worker.log"
+    with _other_session() as other, celery_worker("capture", log, "defer-test"):
+        other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", [building_lock(busy)])
+        build_steps.delay(sorted(collected), tenant_id=tenant.pk)
+        _wait_for(lambda: steps(built) == 5 and steps(split) == 5, 180,
+                  "the free sessions were not built", log)
+        assert steps(busy) == 0
+        other.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
+                      [building_lock(busy)])
+        _wait_for(lambda: steps(busy) == 5, 60, "the deferred session was not built", log)
+    text = log.read_text()
+    assert re.search(rf"tenant {tenant.pk}: interactions \d+-\d+ deferred \(1 of 20\)", text)
+    assert re.search(rf"tenant {tenant.pk}: interactions \d+-\d+ left to another task", text)
+    # Every call once: no step built twice, no pending row left.
+    assert Step.objects.filter(trajectory_id__in=[busy, built, split]).count() == 15
+    assert not PendingInteraction.objects.filter(trajectory_id__in=[busy, built, split]).exists()
 
 
 def test_id_ranges_are_short_for_a_log_line():
