@@ -236,6 +236,13 @@ STEWARD_UPSTREAM_URL = os.environ.get("STEWARD_UPSTREAM_URL", "")
 STEWARD_SPOOL_DIR = Path(os.environ.get("STEWARD_SPOOL_DIR", VAR_DIR / "spool"))
 # How long an erasure waits for the local spool's segments to be shipped (governance/erasure.py).
 STEWARD_ERASURE_SPOOL_WAIT_S = float(os.environ.get("STEWARD_ERASURE_SPOOL_WAIT_S", "60"))
+# Detection results shared by the host's worker processes (governance/sanitizing.py,
+# SharedDetections; decision 43): a disk cache of offsets and types under keyed digests, never
+# text. Empty disables it (each process then keeps only its own).
+STEWARD_DETECTION_CACHE_DIR = os.environ.get("STEWARD_DETECTION_CACHE_DIR",
+                                             str(VAR_DIR / "detection-cache"))
+STEWARD_DETECTION_CACHE_MB = float(os.environ.get("STEWARD_DETECTION_CACHE_MB", "256"))
+STEWARD_DETECTION_CACHE_SECONDS = float(os.environ.get("STEWARD_DETECTION_CACHE_SECONDS", "3600"))
 # Master key (base64, 32 bytes) wraps every data key; from the env or a file.
 STEWARD_MASTER_KEY = os.environ.get("STEWARD_MASTER_KEY", "")
 STEWARD_MASTER_KEY_FILE = os.environ.get("STEWARD_MASTER_KEY_FILE", str(VAR_DIR / "master.key"))

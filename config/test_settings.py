@@ -33,3 +33,8 @@ from config.settings import *  # noqa: E402, F403
 # tenants instead of raising; product code the tests call still needs its scope. Defined here
 # only, never from the environment: production settings have no such path.
 STEWARD_UNSCOPED_TEST_CALLERS = (str(Path(__file__).resolve().parent.parent / "tests") + os.sep,)
+
+# No detection cache shared between the suite's processes (or kept from an earlier run: the
+# test master key is fixed), so what a test counts as analysed is what it sent; the tests of
+# SharedDetections give it a directory of their own.
+STEWARD_DETECTION_CACHE_DIR = os.environ.get("STEWARD_TEST_DETECTION_CACHE_DIR", "")

@@ -126,6 +126,7 @@ class StageClock:
         # process's AnalysisCache answered (governance/sanitizing.py).
         self.analysed = 0
         self.analysis_hits = 0
+        self.shared_hits = 0  # of those, answered by another process's work (SharedDetections)
         self._last = time.perf_counter()
 
     def lap(self, stage: str) -> None:
@@ -137,7 +138,7 @@ class StageClock:
         stages = ", ".join(f"{name} {self.ms[name]:.0f}" for name in self.STAGES)
         return (f"in {sum(self.ms.values()):.0f} ms: {stages} ms; {self.cached} of "
                 f"{self.trajectories} trajectories' last calls cached; {self.analysis_hits} of "
-                f"{self.analysed} strings' detection cached")
+                f"{self.analysed} strings' detection cached ({self.shared_hits} shared)")
 
 
 # One body through the whole sanitizer when a worker starts. Loading it is not enough: its
@@ -713,12 +714,15 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         clock.lap("open")
 
         analyzer = sanitizer_for_tenant(tenant).analyzer
-        asked = (getattr(analyzer, "hits", 0), getattr(analyzer, "misses", 0))
+        shared = getattr(analyzer, "shared", None)
+        asked = (getattr(analyzer, "hits", 0), getattr(analyzer, "misses", 0),
+                 shared.hits if shared is not None else 0)
         trajectories, states, before, known, sanitized, failed = _sanitize_unlocked(tenant,
                                                                                      parsed)
         clock.lap("sanitize")
         clock.analysis_hits = getattr(analyzer, "hits", 0) - asked[0]
         clock.analysed = clock.analysis_hits + getattr(analyzer, "misses", 0) - asked[1]
+        clock.shared_hits = (shared.hits if shared is not None else 0) - asked[2]
         for ia, reason in failed:
             quarantine(ia, reason)
         version = sanitizer_for_tenant(tenant).policy.version

@@ -86,7 +86,7 @@ def test_a_built_batch_logs_its_tenant_ids_and_time_by_stage(tenant, agent, tmp_
         rf"capture: tenant {tenant.pk}: built 2 steps \(interactions {built[0]}, {built[1]}\), "
         r"quarantined 1 in \d+ ms: claim \d+, open \d+, sanitize \d+, fields \d+, "
         r"store \d+ ms; 0 of 1 trajectories' last calls cached; \d+ of [1-9]\d* strings' "
-        r"detection cached", lines[0]), lines[0]
+        r"detection cached \(0 shared\)", lines[0]), lines[0]
     assert re.search(r"capture: built 2 steps, quarantined 1, skipped 0 .*; commit \d+ ms",
                      caplog.text)
 

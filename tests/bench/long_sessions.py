@@ -380,6 +380,11 @@ class Appliance:
     env: dict[str, str] = field(default_factory=dict)
     worker_restarts_s: list[float] = field(default_factory=list)
 
+    @property
+    def detection_cache(self) -> Path:
+        return Path(self.env.get("STEWARD_DETECTION_CACHE_DIR")
+                    or self.tmp / "var" / "detection-cache")
+
     def check_alive(self) -> None:
         dead = [n for n, p in self.processes.items() if p.poll() is not None]
         if dead:
@@ -392,6 +397,9 @@ class Appliance:
         new content as the others (the one-off baseline too). Back when it says ready."""
         t0 = time.monotonic()
         stop_processes([self.processes["worker"]])
+        # The detection cache the worker's processes share (SharedDetections) would answer
+        # this run from the last one as surely as a process's own would: emptied too.
+        shutil.rmtree(self.detection_cache, ignore_errors=True)
         log_path = self.tmp / "worker.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log:
@@ -626,6 +634,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         time.sleep(0.25)
     after = table_sizes()
     worker = worker_stages(worker_log, log_from, calls)
+    cache_bytes = sum(f.stat().st_size for f in app.detection_cache.rglob("*") if f.is_file())
     with tenant_context(app.tenant):
         rows = list(Step.objects.filter(trajectory__agent__name=agent)
                     .values_list("created_at", "interaction__started_at"))
@@ -660,14 +669,14 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         "new_bytes_per_call": round(new_bytes / calls),
         "db_bytes_per_call": round(sum(growth.values()) / calls),
         "rate": rate, "raw_open_last_ms": open_ms, "raw_whole_copies": whole,
-        "worker": worker,
+        "worker": worker, "detection_cache_bytes": cache_bytes,
     }
 
 
 # The worker's line per built batch (governance.tasks.StageClock) and per task's commit.
 BATCH_LINE = re.compile(r"capture: tenant \d+: built (\d+) steps .*? in \d+ ms: (.*?) ms; "
                         r"(\d+) of (\d+) trajectories' last calls cached; "
-                        r"(\d+) of (\d+) strings' detection cached")
+                        r"(\d+) of (\d+) strings' detection cached \((\d+) shared\)")
 COMMIT_LINE = re.compile(r"capture: built \d+ steps, .*; commit (\d+) ms")
 
 
@@ -697,7 +706,8 @@ def worker_stages(path: Path, offset: int, calls: int, wait_s: float = 5.0) -> d
             "cached": sum(int(m.group(3)) for m in batches),
             "trajectory_batches": sum(int(m.group(4)) for m in batches),
             "analysis_hits": sum(int(m.group(5)) for m in batches),
-            "analysed": sum(int(m.group(6)) for m in batches)}
+            "analysed": sum(int(m.group(6)) for m in batches),
+            "shared_hits": sum(int(m.group(7)) for m in batches)}
 
 
 def worker_line(r: dict) -> str:
@@ -708,7 +718,8 @@ def worker_line(r: dict) -> str:
     stages = ", ".join(f"{k} {v:.2f}" for k, v in w["stage_s"].items())
     return (f"{w['batches']} batches of {w['steps'] / w['batches']:.1f} steps; s: {stages}; "
             f"cached chains {w['cached']}/{w['trajectory_batches']}, "
-            f"detection {w['analysis_hits']}/{w['analysed']}")
+            f"detection {w['analysis_hits']}/{w['analysed']} "
+            f"({w.get('shared_hits', 0)} from the shared cache)")
 
 
 def raw_open_figures(trajectories: list) -> tuple[float | None, int]:
@@ -858,6 +869,7 @@ def shape_table(entry: dict) -> str:
         ("ATDP documents MB", lambda r: r["atdp_bytes"] / mb),
         ("ATDP documents, compact form MB", lambda r: r["atdp_compact_bytes"] / mb),
         ("database KB per call", lambda r: r["db_bytes_per_call"] / 1024),
+        ("shared detection cache on disk MB", lambda r: r.get("detection_cache_bytes", 0) / mb),
         ("new content KB per call", lambda r: r["new_bytes_per_call"] / 1024),
         ("database bytes / new byte", lambda r: ratio(r["db_bytes_per_call"],
                                                       r["new_bytes_per_call"])),
