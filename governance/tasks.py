@@ -882,9 +882,12 @@ def build_steps(interaction_ids: list[int], tenant_id: int | None = None,
              "along); commit %.0f ms", len(results["built"]), len(results["quarantined"]),
              len(results["skipped"]), coalesced, (committed - in_groups) * 1000)
     for group_tenant, ids in deferred.items():
-        log.info("capture: tenant %s: interactions %s deferred (%d of %d): another worker is "
-                 "building their trajectories", group_tenant, _id_ranges(ids), deferrals + 1,
-                 DEFER_MAX)
+        # A busy session's calls can wait through many retries, two a second: the first
+        # deferral and the last before waiting are worth an operator's line, the rest debug.
+        level = logging.INFO if deferrals in (0, DEFER_MAX - 1) else logging.DEBUG
+        log.log(level, "capture: tenant %s: interactions %s deferred (%d of %d): another "
+                "worker is building their trajectories", group_tenant, _id_ranges(ids),
+                deferrals + 1, DEFER_MAX)
         # On commit: inside a caller's transaction the building locks are held until its end.
         transaction.on_commit(lambda ids=ids, t=group_tenant: build_steps.apply_async(
             (ids,), {"tenant_id": t, "deferrals": deferrals + 1}, countdown=DEFER_S))

@@ -104,6 +104,10 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
         assert set(worker["stage_s"]) == {"claim", "open", "sanitize", "fields", "store",
                                           "commit"}
         assert worker["stage_s"]["sanitize"] > 0, worker
+        # CPU by part: the worker's pool sanitized, the proxy forwarded, the bench sent.
+        assert set(run["cpu_s"]) == {"proxy", "shipper", "worker", "bench"}, run["cpu_s"]
+        assert run["cpu_s"]["worker"] > 0 and run["cpu_s"]["proxy"] > 0, run["cpu_s"]
+        assert run["detection_cache_bytes"] > 0  # the worker's pool shared its detections
     assert sum(r["db_growth_bytes"] for r in (*runs.values(), shape["paced"])) > 0
     # One trajectory of three steps for the session, three of one for the one-off calls.
     assert (runs["session"]["trajectories"], runs["session"]["steps_per_trajectory"]) == (1, [3, 3])
@@ -116,7 +120,8 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
                   "ATDP documents MB", "database bytes / new byte", "NER floor calls/s",
                   "session/1-off", "issue 16's table", "session KB per call by table",
                   "one-off KB per call by table", "open the last call's raw payload ms",
-                  "raw payloads sealed whole", "session worker", "one-off worker"):
+                  "raw payloads sealed whole", "session worker", "one-off worker",
+                  "CPU s: worker (all processes)", "shared detection cache on disk MB"):
         assert label in proc.stdout
 
 

@@ -128,6 +128,33 @@ def test_a_trajectory_another_worker_is_building_is_deferred_not_built_twice(
     assert (len(done["built"]), len(done["quarantined"]), done["deferred"]) == (2, 1, [])
 
 
+def test_a_deferral_is_logged_at_info_only_first_and_last(tenant, agent, tmp_path, caplog):
+    """A busy session's calls are retried twice a second for up to DEFER_MAX times: the first
+    deferral and the last before the task waits are INFO lines, the ones between DEBUG."""
+    import logging
+
+    from governance.capture.shipper import ship_once
+    from governance.tasks import DEFER_MAX, build_steps, building_lock
+    from tests.pipeline import write_records
+
+    traj = str(uuid.uuid4())
+    write_records(tmp_path, _calls(tenant, agent, traj))
+    ship_once(tmp_path, enqueue=lambda ids: None)
+    ids = sorted(Interaction.objects.filter(trajectory_id=traj).values_list("pk", flat=True))
+    levels = {}
+    with _other_session() as other:
+        other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", [building_lock(traj)])
+        for deferrals in (0, 5, DEFER_MAX - 1):
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="steward.capture"):
+                assert build_steps(ids, deferrals=deferrals)["deferred"] == 3
+            levels[deferrals] = [r.levelname for r in caplog.records
+                                 if f"deferred ({deferrals + 1} of {DEFER_MAX})"
+                                 in r.getMessage()]
+    assert levels == {0: ["INFO"], 5: ["DEBUG"], DEFER_MAX - 1: ["INFO"]}
+    assert not Step.objects.filter(trajectory_id=traj).exists()
+
+
 def test_a_batch_leaves_further_sessions_to_another_task_and_takes_one_off_calls(db):
     """BatchPlan: trajectories oldest call first; once SPLIT_AT calls are held, a trajectory
     with several calls is split off (another worker builds it meanwhile); single calls and

@@ -520,6 +520,37 @@ def appliance(server: str, broker: str, agents: list[str], keep_db: bool = False
 
 # --- measuring ----------------------------------------------------------------------------------
 
+# The processes whose CPU a run adds up (cpu_seconds): the appliance's, and this one — the
+# agent's openai client and the local upstream run in its threads.
+CPU_PARTS = ("proxy", "shipper", "worker", "bench")
+
+
+def cpu_seconds(app: Appliance) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each appliance process, its children
+    included (the worker's prefork pool), and by this process. On 2 cores the parts compete:
+    what the session run's agent and proxy use is not there for the worker."""
+    import psutil
+
+    def total(proc: psutil.Process, children: bool) -> float:
+        seconds = 0.0
+        for q in [proc] + (proc.children(recursive=True) if children else []):
+            try:
+                t = q.cpu_times()
+                seconds += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return seconds
+
+    out: dict[str, float] = {}
+    for name in CPU_PARTS[:-1]:
+        try:
+            out[name] = total(psutil.Process(app.processes[name].pid), children=True)
+        except psutil.NoSuchProcess:
+            out[name] = 0.0
+    out["bench"] = total(psutil.Process(), children=False)
+    return out
+
+
 def table_sizes() -> dict[str, int]:
     """pg_total_relation_size (heap, TOAST, indexes) of every table of the app's schema:
     partitions are plain tables there, a partitioned parent has no storage of its own."""
@@ -604,6 +635,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
     if fresh_worker:
         app.restart_worker()
     before = table_sizes()
+    cpu_before = cpu_seconds(app)
     worker_log = app.tmp / "worker.log"
     log_from = worker_log.stat().st_size if worker_log.exists() else 0
     errors: list[BaseException] = []
@@ -633,6 +665,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         app.check_alive()
         time.sleep(0.25)
     after = table_sizes()
+    cpu_after = cpu_seconds(app)
     worker = worker_stages(worker_log, log_from, calls)
     cache_bytes = sum(f.stat().st_size for f in app.detection_cache.rglob("*") if f.is_file())
     with tenant_context(app.tenant):
@@ -670,6 +703,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         "db_bytes_per_call": round(sum(growth.values()) / calls),
         "rate": rate, "raw_open_last_ms": open_ms, "raw_whole_copies": whole,
         "worker": worker, "detection_cache_bytes": cache_bytes,
+        "cpu_s": {k: round(cpu_after[k] - cpu_before.get(k, 0.0), 2) for k in cpu_after},
     }
 
 
@@ -821,6 +855,12 @@ def beyond_agent(r: dict) -> float | None:
     return None if alone is None else round(max(r["time_to_sanitized_s"] - alone, 0.0), 2)
 
 
+def appliance_cpu(r: dict) -> float | None:
+    """CPU seconds the appliance's own processes used in the run (not the agent's client)."""
+    cpu = r.get("cpu_s")
+    return round(sum(cpu[k] for k in ("proxy", "shipper", "worker")), 2) if cpu else None
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
@@ -878,6 +918,11 @@ def shape_table(entry: dict) -> str:
         ("step lag p95 s", lambda r: r["lag_p95_s"]),
         ("open the last call's raw payload ms", lambda r: r.get("raw_open_last_ms")),
         ("raw payloads sealed whole", lambda r: r.get("raw_whole_copies")),
+        ("CPU s: appliance (proxy, shipper, worker)", lambda r: appliance_cpu(r)),
+        ("CPU s: worker (all processes)", lambda r: r.get("cpu_s", {}).get("worker")),
+        ("CPU s: proxy", lambda r: r.get("cpu_s", {}).get("proxy")),
+        ("CPU s: shipper", lambda r: r.get("cpu_s", {}).get("shipper")),
+        ("CPU s: agent client + upstream (bench)", lambda r: r.get("cpu_s", {}).get("bench")),
         ("trajectories", lambda r: r["trajectories"]),
         ("steps", lambda r: r["steps"]),
     ]
