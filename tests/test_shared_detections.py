@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import sqlite3
 import time
 import uuid
 from pathlib import Path
@@ -121,11 +122,12 @@ def test_entries_expire(tmp_path):
 
 
 def test_a_broken_cache_is_a_miss_never_a_wrong_result(tmp_path, caplog):
-    import diskcache
-
     shared = SharedDetections(tmp_path / "cache", SECRET)
     key = shared.key(TEXTS[0], True, ((), ()))
-    diskcache.Cache(str(tmp_path / "cache")).set(key, b"\x00not json")
+    shared.get_many([])  # creates the file
+    with sqlite3.connect(tmp_path / "cache" / SharedDetections.FILE) as db:
+        db.execute("INSERT INTO detection VALUES (?, ?, ?)", (key, b"\x00not json",
+                                                              time.time() + 60))
     analyzer = CountingAnalyzer()
     with caplog.at_level(logging.WARNING, logger="governance.sanitizing"):
         out = AnalysisCache(analyzer, shared=shared).analyze_batch(TEXTS, [True] * 3)
@@ -133,6 +135,15 @@ def test_a_broken_cache_is_a_miss_never_a_wrong_result(tmp_path, caplog):
     assert out == CountingAnalyzer().analyze_batch(TEXTS, [True] * 3)
     assert "shared detection cache read failed" in caplog.text
     assert len(shared.get_many([key])) == 1  # overwritten by the result analysed here
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / SharedDetections.FILE).write_bytes(b"not a database" * 100)
+    caplog.clear()
+    analyzer = CountingAnalyzer()
+    with caplog.at_level(logging.WARNING, logger="governance.sanitizing"):
+        out = AnalysisCache(analyzer, shared=SharedDetections(tmp_path / "other", SECRET)
+                            ).analyze_batch(TEXTS, [True] * 3)
+    assert analyzer.asked == TEXTS and len(out) == 3
+    assert "DatabaseError" in caplog.text
 
     blocked = tmp_path / "a file, not a directory"
     blocked.write_text("")
@@ -144,6 +155,13 @@ def test_a_broken_cache_is_a_miss_never_a_wrong_result(tmp_path, caplog):
     assert analyzer.asked == TEXTS and len(out) == 3
     assert "shared detection cache read failed" in caplog.text
     assert str(blocked) in caplog.text
+
+
+def test_the_cache_directory_is_private_to_the_service(tmp_path):
+    directory = tmp_path / "var" / "detection-cache"
+    AnalysisCache(CountingAnalyzer(), shared=SharedDetections(directory, SECRET)).analyze_batch(
+        TEXTS, [True] * 3)
+    assert directory.stat().st_mode & 0o777 == 0o700
 
 
 def test_settings_turn_it_on_and_off(settings, tmp_path):
@@ -238,3 +256,20 @@ def test_a_put_off_string_is_taken_once_the_other_process_published_it(tmp_path,
     out = cache.analyze_batch(TEXTS, [True] * 3)
     assert analyzer.asked == TEXTS[1:]
     assert out[0] == theirs and cache.hits == 1 and cache.misses == 2
+
+
+def test_past_its_size_the_older_half_goes(tmp_path, monkeypatch):
+    shared = SharedDetections(tmp_path, SECRET, size_mb=0.05)
+    analysis = CountingAnalyzer().analyze_batch(["x"], [True])[0]
+    for batch in range(10):  # ~150 KB of entries, each batch expiring later than the last
+        monkeypatch.setattr(time, "time", lambda b=batch: 1_000_000.0 + b)
+        shared.put_many({shared.key(f"{batch}-{i}", True, ()): analysis for i in range(100)})
+    monkeypatch.setattr(time, "time", lambda: 1_000_000.0 + 10)
+    shared._maintain(shared._conn())
+    left = shared._conn().execute("SELECT count(*) FROM detection").fetchone()[0]
+    assert 400 <= left <= 600
+    assert len(shared.get_many([shared.key("9-0", True, ())])) == 1  # the newest stay
+    assert shared.get_many([shared.key("0-0", True, ())]) == {}
+    monkeypatch.setattr(time, "time", lambda: 1_000_000.0 + 10 + 3600)
+    shared._maintain(shared._conn())  # and what expired goes
+    assert shared._conn().execute("SELECT count(*) FROM detection").fetchone()[0] == 0

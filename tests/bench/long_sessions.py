@@ -918,7 +918,7 @@ def shape_table(entry: dict) -> str:
         ("step lag p95 s", lambda r: r["lag_p95_s"]),
         ("open the last call's raw payload ms", lambda r: r.get("raw_open_last_ms")),
         ("raw payloads sealed whole", lambda r: r.get("raw_whole_copies")),
-        ("CPU s: appliance (proxy, shipper, worker)", lambda r: appliance_cpu(r)),
+        ("CPU s: appliance (all but the agent)", lambda r: appliance_cpu(r)),
         ("CPU s: worker (all processes)", lambda r: r.get("cpu_s", {}).get("worker")),
         ("CPU s: proxy", lambda r: r.get("cpu_s", {}).get("proxy")),
         ("CPU s: shipper", lambda r: r.get("cpu_s", {}).get("shipper")),
