@@ -273,3 +273,87 @@ def test_past_its_size_the_older_half_goes(tmp_path, monkeypatch):
     monkeypatch.setattr(time, "time", lambda: 1_000_000.0 + 10 + 3600)
     shared._maintain(shared._conn())  # and what expired goes
     assert shared._conn().execute("SELECT count(*) FROM detection").fetchone()[0] == 0
+
+
+def test_two_real_worker_processes_share_what_they_analysed(transactional_db, tmp_path):
+    """Through real Celery workers, one process after another (as two workers of a host
+    are): the second builds a session carrying the first one's tool output and its log line
+    counts the strings the shared cache answered. The cache directory is private and holds
+    none of the analysed text."""
+    import re
+
+    from governance.capture.shipper import ship_once
+    from governance.models import Step
+    from governance.services import create_tenant, ensure_agent
+    from governance.tasks import build_steps
+    from tests.live import celery_worker
+    from tests.pipeline import chat_response, make_record, write_records
+
+    tenant = create_tenant("system:test", "shared", "Shared Bank")[0]
+    agent = ensure_agent("system:test", tenant, "shared-bot")
+    cache_dir = tmp_path / "detection-cache"
+    note = ("Support note: Ingrid Svensson (ingrid.svensson@example.se, +46 8 555 0199) asked "
+            "for her card to be reissued to Storgatan 12, Uppsala.")
+    logs = []
+    for n in range(2):
+        traj = str(uuid.uuid4())
+        write_records(tmp_path / f"spool{n}", [make_record(
+            tenant.pk, agent.pk, trajectory_id=traj, request={"model": "m", "messages": [
+                {"role": "user", "content": f"Session {n}: what does the note say?"},
+                {"role": "tool", "tool_call_id": "c1", "content": note}]},
+            response=chat_response("The card goes to the address on file."))])
+        ids: list[int] = []
+        ship_once(tmp_path / f"spool{n}", enqueue=ids.extend)
+        log = tmp_path / f"worker{n}.log"
+        with celery_worker("capture", log, f"shared-{n}",
+                           STEWARD_TEST_DETECTION_CACHE_DIR=str(cache_dir)):
+            build_steps.delay(ids, tenant_id=tenant.pk)
+            deadline = time.monotonic() + 180
+            while not Step.objects.filter(trajectory_id=traj).exists():
+                assert time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.25)
+            while " built 1 steps " not in log.read_text():  # logged after the commit
+                assert time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.1)
+        logs.append(log.read_text())
+    shared = [int(re.search(r"strings' detection cached \((\d+) shared\)", text).group(1))
+              for text in logs]
+    assert shared[0] == 0 and shared[1] >= 2, shared  # the note and the answer at least
+    assert cache_dir.stat().st_mode & 0o777 == 0o700
+    stored = b"".join(p.read_bytes() for p in cache_dir.rglob("*") if p.is_file())
+    assert stored
+    for needle in ("Ingrid", "Svensson", "555 0199", "Storgatan", "Uppsala"):
+        assert needle.encode() not in stored, needle
+
+
+def test_the_context_enhancer_without_its_copy_finds_what_presidios_finds():
+    """governance/sanitizer/engine.py's enhancer skips Presidio's deep copy where no result
+    has a recognizer with context words; over third-party text and strings that do raise a
+    score by context (dates, licences, passports), every result is what Presidio's own
+    LemmaContextAwareEnhancer gives."""
+    import json
+
+    from presidio_analyzer.context_aware_enhancers import LemmaContextAwareEnhancer
+
+    from governance.sanitizer import get_sanitizer
+
+    analyzer = get_sanitizer().analyzer
+    analyzer = getattr(analyzer, "_analyzer", analyzer)
+    synth = Path(__file__).parent / "bench" / "data" / "synth_dataset_v2.json"
+    texts = [row["full_text"] for row in json.loads(synth.read_text())[:300]] + [
+        "Date of birth: 1985-03-12, passport 912803456, driver license D1234567.",
+        "Visit https://example.com/a?b=1 before 2026-01-31; medical license AB123456.",
+        "born on 12/03/1985 in Leeds", "plain words"]
+    ours = analyzer.analyze_batch(texts, [True] * len(texts))
+    engine = analyzer.analyzer
+    original = engine.context_aware_enhancer
+    engine.context_aware_enhancer = LemmaContextAwareEnhancer()
+    try:
+        presidios = analyzer.analyze_batch(texts, [True] * len(texts))
+    finally:
+        engine.context_aware_enhancer = original
+    assert type(original).__name__ == "StewardContextEnhancer"
+    assert ours == presidios
+    assert sum(len(a.spans) for a in ours) > 300
+    assert any(s.recognizer in ("DateRecognizer", "UsPassportRecognizer", "UsLicenseRecognizer")
+               for a in ours for s in a.spans)
