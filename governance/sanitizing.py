@@ -26,11 +26,17 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import logging
+import os
 import re
+import sqlite3
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -189,8 +195,6 @@ def detector_fingerprint() -> bytes:
     packages' versions, and the bytes of Steward's recognizers, sanitizer and word lists. An
     upgrade (or a development edit) gets a new key space, so no result of other code is
     reused."""
-    from importlib import metadata
-    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     h = hashlib.blake2b(SANITIZER_VERSION.encode(), digest_size=16)
@@ -255,10 +259,6 @@ class SharedDetections:
 
     def _conn(self) -> Any:
         # One connection per process: one opened before a fork is not used after it.
-        import os
-        import sqlite3
-        from pathlib import Path
-
         if self._db is None or self._pid != os.getpid():
             # Private to the service's user, as the spool is.
             Path(self.directory).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -280,8 +280,6 @@ class SharedDetections:
         return h.digest()
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        import logging
-        import time
 
         now = time.monotonic()
         if now - self._last_error > 60:
@@ -292,8 +290,6 @@ class SharedDetections:
 
     def get_many(self, keys: Sequence[bytes]) -> dict[bytes, Any]:
         """The results stored under `keys` (a claim, not a result yet, is not one)."""
-        import time
-
         rows: list[tuple[bytes, bytes]] = []
         try:
             with self._db_lock:
@@ -321,8 +317,6 @@ class SharedDetections:
         them); returns those it marked. A claim lapses after `claim_s` (a process that dies
         mid-batch holds nothing up for long; and nothing ever waits on a claim). On a cache
         failure every key counts as this process's."""
-        import time
-
         claimed: set[bytes] = set()
         try:
             with self._db_lock:
@@ -347,7 +341,6 @@ class SharedDetections:
         return claimed
 
     def put_many(self, results: dict[bytes, Any]) -> None:
-        import time
 
         try:
             rows = [(key, encode_analysis(result), time.time() + self.ttl_s)
@@ -369,8 +362,6 @@ class SharedDetections:
     def _maintain(self, db: Any) -> None:
         """Drops what expired; past the size bound, the older half (by expiry) too. Deleted
         pages are reused, so the file stops growing at about the bound."""
-        import time
-
         self._maintained = time.monotonic()
         db.execute("DELETE FROM detection WHERE expires <= ?", (time.time(),))
         pages = db.execute("PRAGMA page_count").fetchone()[0]
