@@ -62,15 +62,17 @@ def pack(delta: dict[str, Any]) -> bytes:
         return prefixes.setdefault(prefix, len(prefixes))
 
     body = bytearray()
+    # Entries in sorted order: the same delta packs to the same bytes in every process (the
+    # builder fills it from sets, whose order changes with each process's string hashing).
     counters = delta.get("counters") or {}
     _varint(len(counters), body)
-    for name, value in counters.items():
+    for name, value in sorted(counters.items()):
         _varint(prefix_id(name), body)
         _varint(int(value), body)
     for part in ("labels", "aliases"):
         entries = delta.get(part) or {}
         _varint(len(entries), body)
-        for key, label in entries.items():
+        for key, label in sorted(entries.items()):
             raw = bytes.fromhex(short_key(key))
             if len(raw) != KEY_BYTES:
                 raise ValueError(f"placeholder key {key!r} is shorter than {KEY_HEX} hex digits")
