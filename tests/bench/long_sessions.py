@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/long_sessions.py [--shapes 10,60,200] [--sessions 2]
         [--new-kb 3 | --context-kb 100] [--corpus generated|presidio-research] [--inferred]
-        [--paced-shape 60] [--quick]
+        [--paced-shape 60] [--stream] [--quick]
 
 An agent resends its whole conversation with every call. This bench measures what that costs the
 appliance as it is: the real proxy (`mitmdump -s proxy/addon.py`), the real shipper
@@ -49,6 +49,8 @@ whatever sits between it and the model (the openai client's request building gro
 long message list) — and the time to sanitized beyond it. Then the NER floor: spaCy (the
 sanitizer's model, loaded as the sanitizer loads it) over just the new text of the same calls,
 as calls/s, next to the pipeline's sustained rate.
+`--stream` streams every call of every mode (SSE, usage included; the agent assembles the tool
+call from the chunks), the way most agents call their model.
 `--paced-shape N` (default 60 when 60 is among the shapes) runs that shape's sessions once more,
 paced at `--paced-fraction` of the sustained rate just measured, and reports the lag p95 at that
 rate (target, issue 16: < 5 s).
@@ -343,17 +345,56 @@ def new_kb_for(args: argparse.Namespace, calls: int) -> float:
 
 # --- the upstream -------------------------------------------------------------------------------
 
+def stream_chunks(whole: dict, include_usage: bool) -> list[dict]:
+    """`whole` (a chat completion) as the chunks a model streams it in: the role, the content
+    a few words at a time, each tool call's id and name, then its arguments in two pieces,
+    the finish reason, and the usage when asked for."""
+    message = whole["choices"][0]["message"]
+    head = {k: whole[k] for k in ("id", "model")} | {"object": "chat.completion.chunk",
+                                                      "created": 1}
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    words = (message.get("content") or "").split(" ")
+    for i in range(0, len(words), 4):
+        out.append(chunk({"content": " ".join(words[i:i + 4]) + (" " if i + 4 < len(words)
+                                                                  else "")}))
+    for i, call in enumerate(message.get("tool_calls") or []):
+        args = call["function"]["arguments"]
+        out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                          "function": {"name": call["function"]["name"],
+                                                       "arguments": ""}}]}))
+        for part in (args[:len(args) // 2], args[len(args) // 2:]):
+            out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": part}}]}))
+    out.append(chunk({}, whole["choices"][0]["finish_reason"]))
+    if include_usage:
+        out.append({**head, "choices": [], "usage": whole["usage"]})
+    return out
+
+
 def upstream_app() -> Any:
-    """An OpenAI-compatible chat endpoint answering assistant_for(last message)."""
+    """An OpenAI-compatible chat endpoint answering assistant_for(last message), as one JSON
+    document or, with `stream: true`, as server-sent events (stream_chunks)."""
     from aiohttp import web
 
     from tests.pipeline import chat_response
 
-    async def chat(request: web.Request) -> web.Response:
+    async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         answer = assistant_for(body["messages"][-1])
-        return web.json_response(chat_response(answer["content"],
-                                               tool_calls=answer["tool_calls"]))
+        whole = chat_response(answer["content"], tool_calls=answer["tool_calls"])
+        if not body.get("stream"):
+            return web.json_response(whole)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in stream_chunks(whole, bool((body.get("stream_options") or {})
+                                               .get("include_usage"))):
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list",
@@ -559,10 +600,13 @@ def built(app: Appliance, agent: str) -> tuple[int, int]:
 
 
 def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,
-                 due: Callable[[int], float] | None, direct: bool = False) -> None:
+                 due: Callable[[int], float] | None, direct: bool = False,
+                 stream: bool = False) -> None:
     """One agent session with the openai client: call k sends request_messages(turns, k, mode)
     and must get back the tool call that turns[k + 1] starts with (the proxy changed nothing).
-    `direct`: to the upstream itself, not through the proxy (the agent-alone baseline)."""
+    `direct`: to the upstream itself, not through the proxy (the agent-alone baseline).
+    `stream`: each call streamed (`stream=True` with usage), the tool call assembled from the
+    chunks as an agent does."""
     import openai
 
     client = openai.OpenAI(base_url=app.upstream_url if direct else app.base_url,
@@ -574,15 +618,29 @@ def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,
             time.sleep(max(0.0, due(k) - time.time()))
         headers = {"X-Steward-Session": session if mode == "session"
                    else f"bench-{uuid.uuid4().hex}"} if mode != "inferred" else {}
-        reply = client.chat.completions.create(model=MODEL, tools=TOOLS, extra_headers=headers,
-                                               messages=request_messages(turns, k, mode))
+        messages = request_messages(turns, k, mode)
         want = assistant_for(turns[k][-1])["tool_calls"][0]["id"]
-        got = (reply.choices[0].message.tool_calls or [None])[0]
-        if got is None or got.id != want:
+        if stream:
+            got_id, arguments = None, ""
+            for chunk in client.chat.completions.create(
+                    model=MODEL, tools=TOOLS, extra_headers=headers, messages=messages,
+                    stream=True, stream_options={"include_usage": True}):
+                for choice in chunk.choices:
+                    for call in choice.delta.tool_calls or []:
+                        got_id = call.id or got_id
+                        arguments += (call.function.arguments or "") if call.function else ""
+            intact = got_id == want and json.loads(arguments or "null") is not None
+        else:
+            reply = client.chat.completions.create(model=MODEL, tools=TOOLS,
+                                                   extra_headers=headers, messages=messages)
+            got = (reply.choices[0].message.tool_calls or [None])[0]
+            intact = got is not None and got.id == want
+        if not intact:
             raise RuntimeError(f"call {k}: the upstream's tool call did not come back intact")
 
 
-def agent_alone(app: Appliance, scripts: list[list[list[dict]]], mode: str) -> float:
+def agent_alone(app: Appliance, scripts: list[list[list[dict]]], mode: str,
+                stream: bool = False) -> float:
     """Seconds the same sessions take straight to the upstream, no proxy: what the agent
     itself spends (the openai client building and sending the requests, the upstream
     answering) and the appliance cannot take away. Sessions in threads, as `run` sends them."""
@@ -590,7 +648,7 @@ def agent_alone(app: Appliance, scripts: list[list[list[dict]]], mode: str) -> f
 
     def session(i: int) -> None:
         try:
-            send_session(app, "", scripts[i], mode, None, direct=True)
+            send_session(app, "", scripts[i], mode, None, direct=True, stream=stream)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
@@ -606,10 +664,12 @@ def agent_alone(app: Appliance, scripts: list[list[list[dict]]], mode: str) -> f
 
 
 def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
-        rate: float | None, drain_timeout: float, fresh_worker: bool = True) -> dict:
+        rate: float | None, drain_timeout: float, fresh_worker: bool = True,
+        stream: bool = False) -> dict:
     """Send `scripts` (one per concurrent session) as `mode`; wait until every call is a step.
     `rate`: calls/s over all sessions (None: each call as soon as the previous one answered).
-    `fresh_worker`: restart the worker first (Appliance.restart_worker)."""
+    `fresh_worker`: restart the worker first (Appliance.restart_worker). `stream`: streamed
+    calls (send_session)."""
     import orjson
 
     from governance.capture.atdp import trajectory_document
@@ -630,7 +690,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
         # Paced: the sessions' calls interleave, call k of session i at (k * S + i) / rate.
         due = None if rate is None else (lambda k: t0 + (k * len(scripts) + i) / rate)
         try:
-            send_session(app, agent, scripts[i], mode, due)
+            send_session(app, agent, scripts[i], mode, due, stream=stream)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
@@ -801,7 +861,7 @@ def bench(args: argparse.Namespace) -> dict:
         warm = [script(1, 2, 1024, args.corpus)]
         t0 = time.monotonic()
         run(app, "bench-warmup", warm, "session", None, args.drain_timeout,
-            fresh_worker=False)
+            fresh_worker=False, stream=args.stream)
         app.warmup_s = round(time.monotonic() - t0, 1)
         loader.join()
         nlp = loaded["nlp"]  # as the sanitizer loads it (governance.sanitizer.core)
@@ -810,10 +870,11 @@ def bench(args: argparse.Namespace) -> dict:
             kb = new_kb_for(args, n)
             scripts = [script(1000 * n + i, n, int(kb * 1024), args.corpus)
                        for i in range(args.sessions)]
-            runs = {m: run(app, agent_name(n, m), scripts, m, None, args.drain_timeout)
+            runs = {m: run(app, agent_name(n, m), scripts, m, None, args.drain_timeout,
+                           stream=args.stream)
                     for m in modes}
             for m in modes:
-                runs[m]["agent_alone_s"] = agent_alone(app, scripts, m)
+                runs[m]["agent_alone_s"] = agent_alone(app, scripts, m, args.stream)
             entry = {"calls_per_session": n, "sessions": args.sessions,
                      "new_kb_per_call": round(kb, 2),
                      "context_kb_last_call": round(message_bytes(
@@ -822,13 +883,15 @@ def bench(args: argparse.Namespace) -> dict:
             if n == args.paced_shape:
                 sustained = runs["session"]["calls_per_s"] or 0.1
                 entry["paced"] = run(app, agent_name(n, "session", True), scripts, "session",
-                                     args.paced_fraction * sustained, args.drain_timeout)
+                                     args.paced_fraction * sustained, args.drain_timeout,
+                                     stream=args.stream)
             shapes.append(entry)
             print(shape_table(entry), flush=True)
         failed = list(app.failed)
         warmup_s = app.warmup_s
         restarts = app.worker_restarts_s
-    return {"corpus": args.corpus, "shapes": shapes, "failed": failed, "warmup_s": warmup_s,
+    return {"corpus": args.corpus, "stream": args.stream, "shapes": shapes, "failed": failed,
+            "warmup_s": warmup_s,
             "worker_restart_s": (round(statistics.mean(restarts), 1) if restarts else None),
             "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2)}
@@ -1005,6 +1068,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(default), or 'presidio-research', that project's synthetic PII "
                          "sentences (tests/bench/data, written by nobody here) as support "
                          "notes")
+    ap.add_argument("--stream", action="store_true",
+                    help="every call streamed (server-sent events, usage included), in every "
+                         "mode: the proxy passes the stream through as it comes and the "
+                         "worker rebuilds the answer from its chunks")
     ap.add_argument("--inferred", action="store_true",
                     help="also run each session without X-Steward-Session (the proxy infers "
                          "the trajectory from the conversation prefix)")
@@ -1053,7 +1120,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_table(result))
     print(f"\nwall {result['wall_s']} s, warm-up {result['warmup_s']} s, worker restart "
           f"{result['worker_restart_s']} s (mean, before each run), {result['cpus']} CPUs, "
-          f"load average {result['load_avg_1m']}, corpus {result['corpus']}")
+          f"load average {result['load_avg_1m']}, corpus {result['corpus']}"
+          f"{', streamed' if result['stream'] else ''}")
     for line in result["failed"]:
         print(f"FAILED: {line}")
     print(json.dumps(result))
