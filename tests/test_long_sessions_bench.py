@@ -20,6 +20,7 @@ from tests.bench.long_sessions import (
     presidio_texts,
     request_messages,
     script,
+    stream_chunks,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,6 +75,36 @@ def test_the_presidio_research_corpus_gives_the_new_content():
     assert len(seen) == len(set(seen))
     assert [int(i[2:]) for i in seen] == [
         (int(seen[0][2:]) + j) % len(texts) for j in range(len(seen))]
+
+
+def test_the_upstreams_stream_reassembles_into_its_answer():
+    """`--stream`: the chunks are what the openai SDK parses as a chat completion stream, and
+    put together (content, then each tool call's id, name and argument pieces) they are the
+    answer the upstream gives without streaming."""
+    from openai.types.chat import ChatCompletionChunk
+
+    from tests.pipeline import chat_response
+
+    turns = script(9, 3, 1024)
+    answer = assistant_for(turns[1][-1])
+    whole = chat_response(answer["content"], tool_calls=answer["tool_calls"])
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks(whole, True)]
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or []:
+                got = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                got["id"] = call.id or got["id"]
+                got["name"] += call.function.name or ""
+                got["arguments"] += call.function.arguments or ""
+    assert content == answer["content"] and finish == "tool_calls"
+    assert [(c["id"], c["name"], c["arguments"]) for c in calls.values()] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"])
+        for c in answer["tool_calls"]]
+    assert chunks[-1].usage is not None and not chunks[-1].choices
+    assert stream_chunks(whole, False)[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
