@@ -48,7 +48,7 @@ by the same client, timed — what the agent spends building and sending its req
 whatever sits between it and the model (the openai client's request building grows with a
 long message list) — and the time to sanitized beyond it. Then the NER floor: spaCy (the
 sanitizer's model, loaded as the sanitizer loads it) over just the new text of the same calls,
-as calls/s, next to the pipeline's sustained rate.
+as calls/s (the fastest of three passes), next to the pipeline's sustained rate.
 `--stream` streams every call of every mode (SSE, usage included; the agent assembles the tool
 call from the chunks), the way most agents call their model.
 `--paced-shape N` (default 60 when 60 is among the shapes) runs that shape's sessions once more,
@@ -824,15 +824,20 @@ def raw_open_figures(trajectories: list) -> tuple[float | None, int]:
     return (round(max(times), 1) if times else None), whole
 
 
-def ner_floor(nlp: Any, scripts: list[list[list[dict]]]) -> float:
+def ner_floor(nlp: Any, scripts: list[list[list[dict]]], passes: int = 3) -> float:
     """Calls/s of spaCy NER alone over just the new text of the calls (batched as the
-    sanitizer batches: nlp.pipe over the texts of many calls)."""
+    sanitizer batches: nlp.pipe over the texts of many calls), the fastest of `passes` passes:
+    a floor is what the model can do at best, and one pass on a shared 2-core machine moved
+    by 1.7x between runs (23.9 and 40.9 calls/s over the same text)."""
     texts = [t for s in scripts for turn in s for t in new_texts(turn)]
     list(nlp.pipe(texts[:8]))  # warm
-    t0 = time.perf_counter()
-    for _ in nlp.pipe(texts, batch_size=64):
-        pass
-    return sum(len(s) for s in scripts) / (time.perf_counter() - t0)
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for _ in nlp.pipe(texts, batch_size=64):
+            pass
+        best = min(best, time.perf_counter() - t0)
+    return sum(len(s) for s in scripts) / best
 
 
 # --- the bench ----------------------------------------------------------------------------------
