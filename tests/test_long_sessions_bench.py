@@ -116,14 +116,14 @@ def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
 def test_tiny_run_through_the_real_appliance(tmp_path):
     out = tmp_path / "figures.json"
     proc = _bench("--shapes", "3", "--sessions", "1", "--new-kb", "1", "--paced-shape", "3",
-                  "--json", str(out), timeout=280)
+                  "--backlog-shape", "3", "--json", str(out), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["failed"] == []
     (shape,) = result["shapes"]
     runs = shape["runs"]
     assert set(runs) == {"one-off", "session"}
-    for run in (*runs.values(), shape["paced"]):
+    for run in (*runs.values(), shape["paced"], shape["backlog"]):
         assert run["calls"] == run["steps"] == 3
         # Growth is counted in whole pages: three small calls may fit in pages that earlier
         # runs (the warm-up's too) left room in; all of them together do not.
@@ -146,13 +146,18 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
     assert runs["session"]["new_bytes_per_call"] == runs["one-off"]["new_bytes_per_call"]
     assert shape["ner_floor_calls_per_s"] > 0
     assert shape["paced"]["rate"] < runs["session"]["calls_per_s"]
+    # The backlog run: built after the worker (stopped while the calls were sent) was ready.
+    backlog = shape["backlog"]
+    assert 0 < backlog["drain_s"] < backlog["time_to_sanitized_s"], backlog
+    assert backlog["drain_calls_per_s"] == pytest.approx(3 / backlog["drain_s"], rel=0.01)
     # The printed table names every figure side by side.
     for label in ("time until every step is sanitized", "database growth MB",
                   "ATDP documents MB", "database bytes / new byte", "NER floor calls/s",
                   "session/1-off", "issue 16's table", "session KB per call by table",
                   "one-off KB per call by table", "open the last call's raw payload ms",
                   "raw payloads sealed whole", "session worker", "one-off worker",
-                  "CPU s: worker (all processes)", "shared detection cache on disk MB"):
+                  "CPU s: worker (all processes)", "shared detection cache on disk MB",
+                  "backlog session run", "backlog worker"):
         assert label in proc.stdout
 
 
