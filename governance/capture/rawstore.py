@@ -244,8 +244,10 @@ DELTA_REBUILD_MAX = 16 * 1024 * 1024
 DELTA_MAX_SHARE = 0.5
 
 
-def _common_prefix(a: memoryview, b: memoryview, limit: int) -> int:
-    """Length of the longest common prefix (binary search over C-level slice compares)."""
+def _common_prefix(a: bytes, b: bytes, limit: int) -> int:
+    """Length of the longest common prefix: a binary search over slice compares. On bytes a
+    compare is a memcmp (the slices are copies, still ~0.2 ms for two 200 KB bodies); the same
+    search over memoryviews compared element by element, ~3 ms a session call in the shipper."""
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -259,7 +261,7 @@ def _common_prefix(a: memoryview, b: memoryview, limit: int) -> int:
 def request_delta(base: bytes, body: bytes) -> dict[str, Any] | None:
     """`body` as {prefix, suffix, middle (base64), sha256} against `base`, or None when that
     saves less than half of it (a different conversation, a short body)."""
-    a, b = memoryview(base), memoryview(body)
+    a, b = bytes(base), bytes(body)  # (bytes already: the same objects, no copy)
     limit = min(len(a), len(b))
     prefix = _common_prefix(a, b, limit)
     rest = limit - prefix
