@@ -164,6 +164,24 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
         assert label in proc.stdout
 
 
+@pytest.mark.slow
+def test_a_streamed_run_through_the_real_appliance(tmp_path):
+    """`--stream`: every call of both modes streamed through the real proxy to the openai
+    client, which checks each tool call (id and arguments) came back as the upstream sent it;
+    every call becomes a step."""
+    out = tmp_path / "figures.json"
+    proc = _bench("--shapes", "3", "--sessions", "1", "--new-kb", "1", "--stream",
+                  "--paced-shape", "0", "--backlog-shape", "0", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["stream"] is True and result["failed"] == []
+    runs = result["shapes"][0]["runs"]
+    assert set(runs) == {"one-off", "session"}
+    for run in runs.values():
+        assert run["calls"] == run["steps"] == 3, run
+    assert "streamed" in proc.stdout
+
+
 @pytest.mark.parametrize("option, url, service", [
     ("--pg", "postgresql://postgres@127.0.0.1:1/postgres", "PostgreSQL"),
     ("--redis", "redis://127.0.0.1:1/0", "Redis"),

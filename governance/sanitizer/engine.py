@@ -108,9 +108,10 @@ def _context_enhancer():
     results where it would change none of them: it raises a score only for a result whose
     recognizer has context words (Presidio's date, licence, passport ... patterns), and
     Steward's recognizers have none. The results are the recognizers' own, made for this call
-    and read by nobody else, so returning them is returning what the copy would hold. The deep
-    copy (each result's explanation and metadata, ~70 objects a string) was ~10 % of the
-    builder's profile on long sessions (tests.bench.step_cpu --profile)."""
+    and read by nobody else, so returning them is returning what the copy would hold. Measured
+    unprofiled over 1,500 presidio-research strings, the recognizers-and-enhancement stage took
+    1.08 s against 1.15 s (~2 % of detection, decision 43); cProfile showed the copy far larger,
+    as it does any function made of many tiny calls."""
     from presidio_analyzer import RecognizerResult
     from presidio_analyzer.context_aware_enhancers import LemmaContextAwareEnhancer
 

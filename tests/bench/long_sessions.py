@@ -436,8 +436,8 @@ class Appliance:
         return Path(self.env.get("STEWARD_DETECTION_CACHE_DIR")
                     or self.tmp / "var" / "detection-cache")
 
-    def check_alive(self) -> None:
-        dead = [n for n, p in self.processes.items() if p.poll() is not None]
+    def check_alive(self, skip: tuple[str, ...] = ()) -> None:
+        dead = [n for n, p in self.processes.items() if n not in skip and p.poll() is not None]
         if dead:
             raise SystemExit(f"{', '.join(dead)} exited; logs in {self.tmp}")
 
@@ -637,23 +637,24 @@ def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,
         headers = {"X-Steward-Session": session if mode == "session"
                    else f"bench-{uuid.uuid4().hex}"} if mode != "inferred" else {}
         messages = request_messages(turns, k, mode)
-        want = assistant_for(turns[k][-1])["tool_calls"][0]["id"]
+        call = assistant_for(turns[k][-1])["tool_calls"][0]
+        want = (call["id"], call["function"]["arguments"])
         if stream:
             got_id, arguments = None, ""
             for chunk in client.chat.completions.create(
                     model=MODEL, tools=TOOLS, extra_headers=headers, messages=messages,
                     stream=True, stream_options={"include_usage": True}):
                 for choice in chunk.choices:
-                    for call in choice.delta.tool_calls or []:
-                        got_id = call.id or got_id
-                        arguments += (call.function.arguments or "") if call.function else ""
-            intact = got_id == want and json.loads(arguments or "null") is not None
+                    for piece in choice.delta.tool_calls or []:
+                        got_id = piece.id or got_id
+                        arguments += (piece.function.arguments or "") if piece.function else ""
+            got = (got_id, arguments)
         else:
             reply = client.chat.completions.create(model=MODEL, tools=TOOLS,
                                                    extra_headers=headers, messages=messages)
-            got = (reply.choices[0].message.tool_calls or [None])[0]
-            intact = got is not None and got.id == want
-        if not intact:
+            first = (reply.choices[0].message.tool_calls or [None])[0]
+            got = (first.id, first.function.arguments) if first is not None else None
+        if got != want:
             raise RuntimeError(f"call {k}: the upstream's tool call did not come back intact")
 
 
@@ -729,9 +730,7 @@ def run(app: Appliance, agent: str, scripts: list[list[list[dict]]], mode: str,
     if backlog:
         deadline = time.monotonic() + drain_timeout
         while built(app, agent)[0] < calls and time.monotonic() < deadline:
-            dead = [n for n in ("proxy", "shipper") if app.processes[n].poll() is not None]
-            if dead:
-                raise SystemExit(f"{', '.join(dead)} exited; logs in {app.tmp}")
+            app.check_alive(skip=("worker",))  # stopped on purpose
             time.sleep(0.1)
         ready = app.start_worker()
         # Its CPU from here: starting (the model loading) is not building.

@@ -17,11 +17,12 @@ starts (`governance.tasks._preload_sanitizer`), then once more for the tenant, b
 clock starts. Only the build is timed: CPU seconds of this process (user + system;
 PostgreSQL's own CPU is not in it), so a busy shared machine moves the figure little.
 
-Everything is deterministic: a fixed master key, fixed ids and times, so two runs (and two
-checkouts of one run: the calls are generated once per run, the corpus has dates relative
-to now) build the same rows. `output sha256` is a digest of the stored steps, findings,
-conversation items, subject-index rows and placeholder deltas (every column but creation
-times): a change meant to preserve behaviour must leave it unchanged.
+Everything is deterministic: a fixed master key, fixed ids and times, so two checkouts (or two
+rounds of one) in the same run build the same rows. Only within a run: the calls are
+generated once per run, and the corpus has dates relative to now, so separate runs differ.
+`output sha256` is a digest of the stored steps, findings, conversation items, subject-index
+rows and placeholder deltas (every column but creation times): a change meant to preserve
+behaviour must leave it unchanged.
 
 `--baseline DIR` runs another checkout (its own .venv, or this one's when it has none) in the
 same run, alternating with this one `--rounds` times (order swapped each round), and prints
