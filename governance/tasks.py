@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from celery import shared_task
@@ -54,6 +55,7 @@ from django.utils import timezone
 
 from governance.audit import record_event
 from governance.capture.conversation import (
+    DIGEST_HEX,
     History,
     TrajectoryItems,
     chain_digests,
@@ -61,9 +63,10 @@ from governance.capture.conversation import (
     history_of,
     known_histories,
     known_items,
+    parent_candidates,
 )
 from governance.capture.findings import packed_rows
-from governance.capture.placeholders import read_states, write_deltas
+from governance.capture.placeholders import keep_states, read_states, write_deltas
 from governance.capture.rawstore import (
     RawPayloadUnavailable,
     RecentBodies,
@@ -74,6 +77,7 @@ from governance.capture.rawstore import (
     open_raw,
     rebase_dependents,
 )
+from governance.capture.session_memo import SESSION_MEMO
 from governance.capture.steps import (
     CaptureError,
     Exchange,
@@ -305,15 +309,17 @@ def _sanitize_unlocked(tenant: Tenant, parsed: list[tuple[Interaction, Exchange]
         return {}, {}, {}, {}, [], []
     sanitizer = sanitizer_for_tenant(tenant)
     version = sanitizer.policy.version
-    digest = content_hasher(tenant.pk)
+    # Remembered by this process: a session's messages are digested once, not per call.
+    digest = SESSION_MEMO.digest(tenant.pk, content_hasher(tenant.pk))
     histories = {ia.pk: history_of(ia.endpoint, ex.request, digest) for ia, ex in parsed}
     ids = {ia.trajectory_id for ia, _ in parsed}
 
     def items_of(tids: set[Any]) -> dict[Any, TrajectoryItems]:
         return known_items(tids, {d for ia, _ in parsed if ia.trajectory_id in tids
-                                  for d in histories[ia.pk].item_digests()}, version)
+                                  for d in histories[ia.pk].item_digests()}, version,
+                           SESSION_MEMO)
 
-    read = read_states(ids)
+    read = read_states(ids, SESSION_MEMO, tenant.pk)
     seen = {tid: seq for tid, (seq, _) in read.items()}
     states = {tid: state for tid, (_, state) in read.items()}
     before = {tid: state.to_json() for tid, state in states.items()}
@@ -410,19 +416,53 @@ def _store_steps(writes: list[_StepWrite]
     return stored, refused
 
 
+def _remember_batch(tenant_id: int, trajectories: dict[Any, Trajectory],
+                    states: dict[Any, PlaceholderState], last_steps: dict[Any, Step],
+                    version: str) -> None:
+    """After a batch's commit: what its next batch starts from (capture/session_memo.py)."""
+    keep_states(SESSION_MEMO, tenant_id, trajectories, states)
+    for tid, step in last_steps.items():
+        SESSION_MEMO.keep_parent((tenant_id, tid), step.history_digest, step.history_length,
+                                 version)
+
+
+def _parent_lookup(tenant_id: int, sanitized: list[tuple[Interaction, Sanitized]],
+                   chains: dict[int, list[str]], version: str
+                   ) -> dict[Any, dict[str, tuple[Any, int]]]:
+    """known_histories for the batch's histories: for a session this process built last, the
+    prefixes from its last step on (conversation.parent_candidates: the longest stored prefix
+    is among them while that step exists), else — or when that step is gone — every prefix:
+    a 200-call session's next call used to look up 400 chain digests."""
+    tids = {ia.trajectory_id for ia, _ in sanitized}
+    hints = {tid: SESSION_MEMO.parent_hint((tenant_id, tid), version) for tid in tids}
+    wanted = {ia.pk: parent_candidates(chains[ia.pk], hints[ia.trajectory_id])
+              for ia, _ in sanitized if ia.pk in chains}
+    histories = known_histories(tids, {c for cs in wanted.values() for c in cs}, version)
+    again = {ia.pk for ia, _ in sanitized if ia.pk in chains
+             and len(wanted[ia.pk]) < len(chains[ia.pk])
+             and not any(c in histories[ia.trajectory_id] for c in wanted[ia.pk])}
+    if again:
+        more = known_histories({ia.trajectory_id for ia, _ in sanitized if ia.pk in again},
+                               {c for pk in again for c in chains[pk]}, version)
+        for tid, found in more.items():
+            histories[tid].update(found)
+    return histories
+
+
 def _plan_history(write: _StepWrite, result: Sanitized, fields: dict,
-                  histories: dict[str, tuple[Any, int]]) -> dict[str, Any]:
+                  histories: dict[str, tuple[Any, int]],
+                  chains: list[str] | None = None) -> dict[str, Any]:
     """The conversation-store columns of one new step (its history as item references, see
     governance/capture/conversation.py), and the history, tools and instructions taken out of
     `fields["observation"]`. `histories`: the trajectory's steps by history digest, this
-    batch's included; gains this step."""
+    batch's included; gains this step. `chains`: the history's chain digests, when known."""
     hist = result.history
     if hist is None or result.exchange.request is None:
         return {}
     obs = fields["observation"]
     columns: dict[str, Any] = {}
     if hist.key and hist.digests and hist.key in obs:
-        chains = chain_digests(hist.digests)
+        chains = chains or chain_digests(hist.digests)
         parent, kept = choose_parent(chains, histories)
         columns.update(parent_step=parent, kept=kept, history_digest=chains[-1],
                        history_length=len(chains))
@@ -468,7 +508,8 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         known[tid].ids[digest] = pk
     missing = {k for k in rows if k[1] not in known[k[0]].ids and k not in refused}
     if missing:  # stored by another worker between our read and our insert
-        again = known_items({t for t, _ in missing}, {d for _, d in missing}, version)
+        again = known_items({t for t, _ in missing}, {d for _, d in missing}, version,
+                            SESSION_MEMO)
         for tid, items in again.items():
             known[tid].ids.update(items.ids)
     ours = {(tid, digest) for _, tid, digest in inserted}
@@ -480,6 +521,8 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         ia = w.interaction
         w.findings.extend(packed_rows(ia.tenant_id, ia.step_id, item.findings, version, item_id))
         w.index_rows.extend(_index_rows(ia, item.identifiers, item_id))
+    for w in writes:
+        _drop_covered_keys(w)
     # A step holding an item the database refused (a value jsonb cannot store, e.g. \u0000)
     # is not stored either; a step extending one of those keeps its whole history itself.
     out: list[tuple[Interaction, str]] = []
@@ -502,6 +545,28 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
             w.step.appended = list(w.full_history)
     writes[:] = [w for w in writes if w.step is None or w.step.pk not in dropped]
     return out
+
+
+def _drop_covered_keys(write: _StepWrite) -> None:
+    """Keep in the step's own subject-index row only the keys that no item row of the same
+    write holds (decision 45). An agent's reply mostly names who the tool result it just read
+    named: the key is then indexed twice, by the item and by the step. The item row is enough:
+    the step references the item, so the item (and its row) lives at least as long as the
+    step (conversation.delete_unreferenced_items), and every reader of the index wants
+    trajectories, never steps. Only rows of the same write count: they are stored, or
+    refused, together with the step (_store_steps)."""
+    covered = {key for row in write.index_rows if row.source == SubjectIndex.Source.ITEM
+               for key in row.hashes}
+    if not covered:
+        return
+    kept: list[SubjectIndex] = []
+    for row in write.index_rows:
+        if row.source == SubjectIndex.Source.STEP:
+            row.hashes = [key for key in row.hashes if key not in covered]
+            if not row.hashes:
+                continue
+        kept.append(row)
+    write.index_rows[:] = kept
 
 
 def _insert_items(rows: dict[tuple[Any, str], ConversationItem]
@@ -740,10 +805,10 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         # first carrier is not stored belongs to the next step that is).
         new_items = {(ia.trajectory_id, item.digest): item
                      for ia, r in reversed(sanitized) for item in r.new_items}
-        histories = known_histories(
-            {ia.trajectory_id for ia, _ in sanitized},
-            {c for _, r in sanitized if r.history and r.history.key
-             for c in chain_digests(r.history.digests)}, version)
+        chains = {ia.pk: SESSION_MEMO.chains((tenant_id, ia.trajectory_id),
+                                             r.history.digests, DIGEST_HEX)
+                  for ia, r in sanitized if r.history and r.history.key}
+        histories = _parent_lookup(tenant_id, sanitized, chains, version)
         # What each built interaction writes; stored together, or one by one when the
         # database refuses the batch (see _store_steps).
         writes: list[_StepWrite] = []
@@ -770,7 +835,8 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             if ia.step_id in existing:
                 continue  # built before under this id (kept as it is: steps are immutable)
             whole = dict(fields["observation"])  # _plan_history takes the history out
-            columns = _plan_history(write, result, fields, histories[ia.trajectory_id])
+            columns = _plan_history(write, result, fields, histories[ia.trajectory_id],
+                                    chains.get(ia.pk))
             write.step = Step(
                 id=ia.step_id, tenant_id=ia.tenant_id, trajectory_id=ia.trajectory_id,
                 interaction=ia, endpoint=ia.endpoint, started_at=ia.started_at,
@@ -798,6 +864,12 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         SubjectIndex.objects.bulk_create(index_rows, batch_size=1000, ignore_conflicts=True)
         # What the batch numbered: one delta row per trajectory, not the whole state again.
         write_deltas(trajectories, states, before)
+        # Remembered once this commits (never a rolled-back batch's numbering): the states,
+        # and the last step of each session, which the next batch's parent lookup starts from.
+        last_steps = {w.interaction.trajectory_id: w.step for w in stored
+                      if w.step is not None and w.step.history_digest}
+        transaction.on_commit(partial(_remember_batch, tenant_id, trajectories, states,
+                                      last_steps, version))
         done["built"] = built
         ids = done["built"] + done["quarantined"]
         done["coalesced"] = [pk for pk in ids if pk not in requested]

@@ -31,6 +31,11 @@ def fresh_recent_bodies():
     tasks = sys.modules.get("governance.tasks")  # not imported here for tests that need none
     if tasks is not None:
         tasks.RECENT_BODIES = tasks.RecentBodies()
+    # Likewise the builder's session memo (capture/session_memo.py): item ids and
+    # trajectories of rolled-back rows.
+    memo = sys.modules.get("governance.capture.session_memo")
+    if memo is not None:
+        memo.SESSION_MEMO.clear()
     yield
 
 

@@ -25,7 +25,7 @@ from governance.models import (
 from governance.sanitizer import normalize_identifier
 from governance.subject_keys import OPCLASS
 from governance.tenancy import tenant_context
-from tests.pipeline import customer_session, ship_and_build
+from tests.pipeline import CUSTOMERS, chat_response, customer_session, make_record, ship_and_build
 
 
 @pytest.fixture
@@ -52,9 +52,12 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
         by_source.setdefault(r.source, []).append(r)
         assert len(r.hashes) == len(set(r.hashes)) >= 1
         assert all(isinstance(h, int) and -(1 << 63) <= h < (1 << 63) for h in r.hashes)
-    # One header row per interaction, one row per conversation item with identifiers, one
-    # row for what the first response named; the customer message's identifiers share a row.
+    # One header row per interaction, one row per conversation item with identifiers; the
+    # customer message's identifiers share a row. The first response names Maria Garcia and
+    # her email, which the customer message it answers holds: no row of its own for them
+    # (decision 45).
     assert len(by_source["header"]) == 2
+    assert "step" not in by_source
     item_rows = by_source["item"]
     assert len({r.item_id for r in item_rows}) == len(item_rows)
     customer_row = next(r for r in item_rows if _key(tenant, "EMAIL_ADDRESS",
@@ -62,14 +65,14 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
     # The customer's email, phone and name share the row of the message that named them.
     assert {_key(tenant, "PHONE_NUMBER", "+44 20 7946 0018"),
             _key(tenant, "PERSON", "Peter Novak")} <= set(customer_row.hashes)
-    assert ConversationItem.objects.get(pk=customer_row.item_id).first_step is not None
-    assert [r.step_id for r in by_source["step"]] == [
-        Step.objects.get(interaction__flow_id=first["flow_id"]).pk]
+    assert ConversationItem.objects.get(pk=customer_row.item_id).first_step == \
+        Step.objects.get(interaction__flow_id=first["flow_id"]).pk
 
     # Erasure's lookup finds the trajectory by any identifier, and by the header subject.
     from governance.erasure import _find_trajectories
 
-    for subject in ("dana.white@example.net", "+44 20 7946 0018", "maria@example.com"):
+    for subject in ("dana.white@example.net", "+44 20 7946 0018", "maria@example.com",
+                    "maria.garcia@example.com"):
         with tenant_context(tenant), connection.cursor() as cursor:
             assert _find_trajectories(cursor, tenant.pk, lookup_hashes(tenant.pk, subject),
                                       10) == [traj], subject
@@ -98,6 +101,46 @@ def test_builder_packs_one_row_per_place_and_erasure_finds_each_identifier(
         for ia in Interaction.objects.all()])
     build_steps(list(Interaction.objects.values_list("pk", flat=True)))
     assert SubjectIndex.objects.filter(trajectory_id=traj).count() == len(rows)
+
+
+def test_a_step_row_keeps_only_what_no_item_of_its_own_holds(tenant, agent, tmp_path):
+    """A reply naming someone its new tool result named adds no key twice; one naming
+    someone else keeps that key in the step's row, and erasure finds the trajectory by
+    either (decision 45). An item stored by an earlier call is not counted: only rows
+    written with the step are."""
+    from governance.erasure import _find_trajectories
+
+    traj = str(uuid.uuid4())
+    history = [{"role": "system", "content": "You look up customers."},
+               {"role": "user", "content": CUSTOMERS}]
+    first = make_record(tenant.pk, agent.pk, trajectory_id=traj,
+                        request={"model": "m", "messages": history},
+                        response=chat_response("Found Maria Garcia (maria.garcia@example.com); "
+                                               "I will also copy lena.fischer@example.de."))
+    second = make_record(tenant.pk, agent.pk, trajectory_id=traj,
+                         request={"model": "m", "messages": history + [
+                             {"role": "assistant", "content": "Which one?"},
+                             {"role": "user", "content": "The other one."}]},
+                         response=chat_response("Peter Novak, peter.novak@example.org."),
+                         t=first["t_request"] + 1)
+    ship_and_build(tmp_path, [first, second])
+    assert not PendingInteraction.objects.exists()
+    steps = {s.interaction.flow_id: s for s in Step.objects.filter(trajectory_id=traj)
+             .select_related("interaction")}
+    step_rows = {r.step_id: r for r in SubjectIndex.objects.filter(trajectory_id=traj,
+                                                                  source="step")}
+    # The first reply: only the address no item of its own holds.
+    assert step_rows[steps[first["flow_id"]].pk].hashes == [
+        _key(tenant, "EMAIL_ADDRESS", "lena.fischer@example.de")]
+    # The second reply names who an item of the first call holds: kept (that item's row
+    # was not written with this step).
+    assert _key(tenant, "EMAIL_ADDRESS", "peter.novak@example.org") in \
+        step_rows[steps[second["flow_id"]].pk].hashes
+    for subject in ("lena.fischer@example.de", "maria.garcia@example.com",
+                    "peter.novak@example.org"):
+        with tenant_context(tenant), connection.cursor() as cursor:
+            assert _find_trajectories(cursor, tenant.pk, lookup_hashes(tenant.pk, subject),
+                                      10) == [traj], subject
 
 
 def test_migration_0018_packs_and_unpacks_rows_of_the_old_layout(tenant, agent,
@@ -297,9 +340,12 @@ def test_step_and_interaction_lookups_use_the_partial_indexes(tenant, agent, tmp
     step and interaction indexes; what reads rows by them (Django's cascade, retention's month
     release) still finds them through the partial indexes, and finds every row."""
     traj = str(uuid.uuid4())
-    ship_and_build(tmp_path, customer_session(tenant.pk, agent.pk, traj))
+    # With a header subject: the header rows carry a step and an interaction.
+    ship_and_build(tmp_path, customer_session(tenant.pk, agent.pk, traj,
+                                              subject="maria@example.com"))
     with tenant_context(tenant):
         rows = list(SubjectIndex.objects.filter(trajectory_id=traj))
+        assert any(r.step_id for r in rows) and any(r.interaction_id for r in rows)
         by_step = SubjectIndex.objects.filter(step_id__in=[r.step_id for r in rows if r.step_id])
         by_ia = SubjectIndex.objects.filter(
             interaction_id__in=[r.interaction_id for r in rows if r.interaction_id])

@@ -38,9 +38,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from governance.capture.session_memo import SessionMemo
+
 
 # The request key of each endpoint's resent history (completions' `prompt` is one string:
 # stored in the observation as it is).
@@ -204,22 +208,54 @@ def ordered_observation(obs: dict) -> dict:
 
 # --- the database --------------------------------------------------------------------------
 
-def known_items(trajectory_ids: Iterable[Any], digests: Iterable[str], version: str
-                ) -> dict[Any, TrajectoryItems]:
+_ITEM_IDS_SQL = ("SELECT trajectory_id::text, digest, id FROM governance_conversationitem "
+                 "WHERE trajectory_id = ANY(%s::uuid[]) AND digest = ANY(%s::text[]) "
+                 "AND sanitizer_version = %s")
+
+
+def known_items(trajectory_ids: Iterable[Any], digests: Iterable[str], version: str,
+                memo: SessionMemo | None = None) -> dict[Any, TrajectoryItems]:
     """The stored items of these trajectories with these digests, sanitized under `version`:
-    what a batch reuses instead of sanitizing again."""
+    what a batch reuses instead of sanitizing again. With `memo` (the step builder's): the
+    ids are read, and only the content the memo does not hold (items are never updated, so
+    content kept by id is the row's)."""
+    from django.db import connection
+
     from governance.models import ConversationItem
 
     out = {tid: TrajectoryItems() for tid in set(trajectory_ids)}
     wanted = set(digests)
     if not out or not wanted:
         return out
-    rows = (ConversationItem.objects.filter(trajectory_id__in=list(out), digest__in=wanted,
+    items = ConversationItem.objects.filter(trajectory_id__in=list(out), digest__in=wanted,
                                             sanitizer_version=version)
-            .values_list("trajectory_id", "digest", "pk", "content"))
-    for tid, digest, pk, content in rows:
-        out[tid].content[digest] = content
+    if memo is None:
+        for tid, digest, pk, content in items.values_list("trajectory_id", "digest", "pk",
+                                                          "content"):
+            out[tid].content[digest] = content
+            out[tid].ids[digest] = pk
+        return out
+    missing: dict[int, tuple[Any, str]] = {}
+    # The ids in plain SQL: a long session's batch reads every item of its history, and
+    # Django's row handling (a UUID object per row) cost more than the query.
+    by_text = {str(tid): tid for tid in out}
+    with connection.cursor() as cursor:
+        cursor.execute(_ITEM_IDS_SQL, [list(by_text), list(wanted), version])
+        rows = cursor.fetchall()
+    for tid_text, digest, pk in rows:
+        tid = by_text[tid_text]
         out[tid].ids[digest] = pk
+        data = memo.content(pk)
+        if data is None:
+            missing[pk] = (tid, digest)
+        else:
+            out[tid].content[digest] = orjson.loads(data)
+    if missing:
+        for pk, content in (ConversationItem.objects.filter(pk__in=list(missing))
+                            .values_list("pk", "content")):
+            tid, digest = missing[pk]
+            out[tid].content[digest] = content
+            memo.keep_content(pk, orjson.dumps(content))
     return out
 
 
@@ -242,6 +278,17 @@ def known_histories(trajectory_ids: Iterable[Any], chains: Iterable[str], versio
     for tid, digest, pk, length in rows:
         out[tid][digest] = (pk, length)
     return out
+
+
+def parent_candidates(chains: Sequence[str], hint: tuple[str, int] | None) -> list[str]:
+    """The chain digests worth looking up for a history's parent: from the prefix `hint`
+    names ((history digest, length) of a step known to exist, or to have existed) on, when
+    the history starts with it — a longer stored prefix can only be among those — else all."""
+    if hint is not None:
+        digest, length = hint
+        if 0 < length <= len(chains) and chains[length - 1] == digest:
+            return list(chains[length - 1:])
+    return list(chains)
 
 
 def _layouts(step_ids: Iterable[Any]) -> dict[Any, Layout]:

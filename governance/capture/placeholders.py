@@ -12,32 +12,61 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from django.db.models import Q
 
 from governance.models import PlaceholderDelta, Trajectory
 from governance.sanitizer import PlaceholderState
 
+if TYPE_CHECKING:
+    from governance.capture.session_memo import SessionMemo
 
-def read_states(trajectory_ids: Iterable[Any]) -> dict[Any, tuple[int, PlaceholderState]]:
+
+def read_states(trajectory_ids: Iterable[Any], memo: SessionMemo | None = None,
+                tenant_id: int | None = None) -> dict[Any, tuple[int, PlaceholderState]]:
     """(seq, state) of each trajectory (ids as UUIDs, the keys of the result): its base column
     with its deltas applied in order. Two queries for any number of trajectories; a trajectory
-    that does not exist reads as (0, an empty state)."""
+    that does not exist reads as (0, an empty state).
+
+    With `memo` (the step builder's, capture/session_memo.py): a state this process committed
+    is taken from it (the caller owns it now, and gives it back with keep_states once its
+    batch commits) and only the deltas committed after it are read — not every delta of the
+    session again with every batch."""
     ids = list(trajectory_ids)
     rows = Trajectory.objects.filter(pk__in=ids).values_list(
-        "pk", "sanitizer_state", "sanitizer_state_seq")
+        "pk", "sanitizer_state", "sanitizer_state_seq", "created_at")
     out = {tid: (0, PlaceholderState()) for tid in ids}
     seqs: dict[Any, int] = {}
-    for tid, base, seq in rows:
-        out[tid] = (seq, PlaceholderState.from_json(base))
+    since: dict[Any, int] = {}
+    for tid, base, seq, created in rows:
+        kept = memo.take_state((tenant_id, tid, created)) if memo is not None else None
+        if kept is not None and kept[0] <= seq:
+            out[tid], since[tid] = (seq, kept[1]), kept[0]
+        else:
+            out[tid], since[tid] = (seq, PlaceholderState.from_json(base)), 0
         seqs[tid] = seq
-    if any(seqs.values()):
-        for tid, seq, data in (PlaceholderDelta.objects
-                               .filter(trajectory_id__in=[t for t, s in seqs.items() if s])
+    behind = [tid for tid, seq in seqs.items() if seq > since[tid]]
+    if behind:
+        after = Q()
+        for tid in behind:
+            after |= Q(trajectory_id=tid, seq__gt=since[tid])
+        for tid, seq, data in (PlaceholderDelta.objects.filter(after)
                                .order_by("trajectory_id", "seq")
                                .values_list("trajectory_id", "seq", "data")):
             if seq <= seqs[tid]:  # a delta committed after the trajectory row was read waits
                 apply_delta(out[tid][1], PlaceholderDelta.unpack(data))
     return out
+
+
+def keep_states(memo: SessionMemo, tenant_id: int, trajectories: dict[Any, Trajectory],
+                states: dict[Any, PlaceholderState]) -> None:
+    """After the batch's commit: give the memo each (locked, written) trajectory's state at
+    its new seq."""
+    for tid, traj in trajectories.items():
+        if tid in states:
+            memo.keep_state((tenant_id, tid, traj.created_at), traj.sanitizer_state_seq,
+                            states[tid])
 
 
 def apply_delta(state: PlaceholderState, delta: dict[str, Any]) -> None:
