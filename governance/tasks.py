@@ -492,9 +492,12 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         if w.step is None:
             continue
         tid = w.interaction.trajectory_id
+        ids = known[tid].ids
         for digest in [*w.history, *w.refs.values()]:
+            if digest in ids:
+                continue
             key = (tid, digest)
-            if digest in known[tid].ids or key in rows:
+            if key in rows:
                 continue
             item = new_items.get(key)
             rows[key] = ConversationItem(
@@ -531,7 +534,8 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         if w.step is None:
             continue
         tid = w.interaction.trajectory_id
-        bad = [refused[(tid, d)] for d in [*w.history, *w.refs.values()] if (tid, d) in refused]
+        bad = [refused[(tid, d)] for d in [*w.history, *w.refs.values()]
+               if (tid, d) in refused] if refused else []
         if bad:
             out.append((w.interaction, bad[0]))
             dropped.add(w.step.pk)

@@ -208,9 +208,10 @@ def ordered_observation(obs: dict) -> dict:
 
 # --- the database --------------------------------------------------------------------------
 
+# By trajectory, not by digest: a long session's history is hundreds of digests, and quoting
+# them into the query (psycopg binds client-side here) cost more than reading the rows.
 _ITEM_IDS_SQL = ("SELECT trajectory_id::text, digest, id FROM governance_conversationitem "
-                 "WHERE trajectory_id = ANY(%s::uuid[]) AND digest = ANY(%s::text[]) "
-                 "AND sanitizer_version = %s")
+                 "WHERE trajectory_id = ANY(%s::uuid[]) AND sanitizer_version = %s")
 
 
 def known_items(trajectory_ids: Iterable[Any], digests: Iterable[str], version: str,
@@ -240,9 +241,11 @@ def known_items(trajectory_ids: Iterable[Any], digests: Iterable[str], version: 
     # Django's row handling (a UUID object per row) cost more than the query.
     by_text = {str(tid): tid for tid in out}
     with connection.cursor() as cursor:
-        cursor.execute(_ITEM_IDS_SQL, [list(by_text), list(wanted), version])
+        cursor.execute(_ITEM_IDS_SQL, [list(by_text), version])
         rows = cursor.fetchall()
     for tid_text, digest, pk in rows:
+        if digest not in wanted:
+            continue
         tid = by_text[tid_text]
         out[tid].ids[digest] = pk
         data = memo.content(pk)

@@ -27,7 +27,8 @@ is used so that it cannot serve something stale:
   database has none of them (the step was purged, or the history branched), the lookup asks
   for every prefix as before (conversation.known_histories).
 
-Per process, least recently used first out, bounded in entries or bytes.
+Per process, bounded: trajectories least recently used first out; digests and content
+emptied whole when over their bytes.
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ class SessionMemo:
     def __init__(self, max_trajectories: int = MAX_TRAJECTORIES,
                  max_digest_bytes: int = MAX_DIGEST_BYTES,
                  max_content_bytes: int = MAX_CONTENT_BYTES) -> None:
-        # (tenant, bytes) -> (digest, bytes' length): sized by the bytes held as keys.
-        self._digests: LRUCache[tuple[int, bytes], tuple[str, int]] = LRUCache(
-            max_digest_bytes, getsizeof=lambda value: value[1] + 100)
+        # (tenant, bytes) -> digest, and item id -> content: plain dicts emptied whole when
+        # full. A lookup here runs for every message of every call, and an LRU's bookkeeping
+        # (cachetools' is Python) cost more than the dict itself; losing everything now and
+        # then costs one batch its lookups.
+        self._digests: dict[tuple[int, bytes], str] = {}
+        self._digest_bytes, self._digest_held = max_digest_bytes, 0
+        self._content: dict[int, bytes] = {}
+        self._content_bytes, self._content_held = max_content_bytes, 0
         # Per trajectory: the last history's digests, its chain links (sha256 bytes) and their
         # hex prefixes.
         self._chains: LRUCache[Any, tuple[list[str], list[bytes], list[str]]] = LRUCache(
             max_trajectories)
-        self._content: LRUCache[int, bytes] = LRUCache(max_content_bytes, getsizeof=len)
         self._states: LRUCache[Any, tuple[int, PlaceholderState]] = LRUCache(max_trajectories)
         self._parents: LRUCache[Any, tuple[str, int, str]] = LRUCache(max_trajectories)
 
@@ -67,17 +72,16 @@ class SessionMemo:
     def digest(self, tenant_id: int, keyed: Callable[[bytes], str]) -> Callable[[bytes], str]:
         """`keyed` (the tenant's content hasher) remembered by input bytes. An HMAC per
         message per call was most of history_of's time; a dict lookup is a fraction of it."""
-        cache = self._digests
-        largest = cache.maxsize // 64
-
         def digest(content: bytes) -> str:
             key = (tenant_id, content)
-            hit = cache.get(key)
-            if hit is not None:
-                return hit[0]
-            out = keyed(content)
-            if len(content) <= largest:
-                cache[key] = (out, len(content))
+            out = self._digests.get(key)
+            if out is None:
+                out = keyed(content)
+                self._digest_held += len(content) + 100
+                if self._digest_held > self._digest_bytes:
+                    self._digests.clear()
+                    self._digest_held = len(content) + 100
+                self._digests[key] = out
             return out
 
         return digest
@@ -112,8 +116,11 @@ class SessionMemo:
         return self._content.get(item_id)
 
     def keep_content(self, item_id: int, data: bytes) -> None:
-        if len(data) <= self._content.maxsize // 16:
-            self._content[item_id] = data
+        self._content_held += len(data) + 100
+        if self._content_held > self._content_bytes:
+            self._content.clear()
+            self._content_held = len(data) + 100
+        self._content[item_id] = data
 
     # --- placeholder states ----------------------------------------------------------------
 
@@ -144,6 +151,7 @@ class SessionMemo:
         for cache in (self._digests, self._chains, self._content, self._states,
                       self._parents):
             cache.clear()
+        self._digest_held = self._content_held = 0
 
 
 SESSION_MEMO = SessionMemo()
