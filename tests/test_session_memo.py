@@ -263,3 +263,34 @@ def test_a_rolled_back_batch_leaves_its_numbering_out_of_the_memo(
     assert [len(full[s.pk]["messages"]) for s in steps] == [len(h) for h in histories]
     assert seq == Trajectory.objects.get(pk=tid).sanitizer_state_seq
     assert SESSION_MEMO.take_state((tenant.pk, tid, created))[1].to_json() == state.to_json()
+
+
+def test_the_memo_holds_no_more_than_its_bounds():
+    memo = SessionMemo(max_trajectories=4, max_state_entries=10, max_chain_messages=6,
+                       max_digest_bytes=1000, max_content_bytes=1000)
+    digests = [f"m:{i:032x}" for i in range(5)]
+    for key in "abc":
+        assert memo.chains(key, digests, 32) == chain_digests(digests)
+    # Five messages a chain, six at most: only the last trajectory's is kept (and one longer
+    # than the bound is computed, never kept).
+    assert list(memo._chains) == ["c"]
+    assert memo.chains("d", digests * 2, 32) == chain_digests(digests * 2)
+    assert "d" not in memo._chains
+    big = PlaceholderState()
+    _numbered(big, ["Maria Garcia", "Peter Novak", "Dana White"])  # 3 labels, 9 aliases
+    small = PlaceholderState()
+    _numbered(small, ["Lena"])
+    memo.keep_state("big", 1, big)
+    memo.keep_state("small", 1, small)
+    assert memo.take_state("big") is None and memo.take_state("small") == (1, small)
+    memo.keep_state("huge", 1, PlaceholderState.from_json(
+        {"labels": {f"{i:016x}": "PERSON_1" for i in range(20)}}))
+    assert memo.take_state("huge") is None
+    for i in range(30):
+        memo.keep_content(i, b"x" * 100)
+    assert len(memo._content) < 30 and memo.content(29) == b"x" * 100
+    seen: list[bytes] = []
+    digest = memo.digest(1, lambda b: seen.append(b) or b.hex())
+    for i in range(30):
+        digest(bytes([i]) * 50)
+    assert len(memo._digests) < 30 and digest(bytes([29]) * 50) == (bytes([29]) * 50).hex()

@@ -41,15 +41,22 @@ from cachetools import LRUCache
 
 from governance.sanitizer.policy import PlaceholderState
 
-# Bounds: the trajectories whose states, chains and parents are kept, and the bytes of
-# digests' inputs and of item content kept.
+# Bounds, per worker process (RecentBodies keeps 64 MB beside them): the trajectories whose
+# last step is kept; the placeholder-state entries (labels and aliases, ~150 bytes each in
+# memory: a PII-dense 200-call session numbers ~8,000) and history messages of chains (~200
+# bytes each) kept, least recently used trajectories out first; the bytes of digests' inputs
+# and of item content kept.
 MAX_TRAJECTORIES = 512
-MAX_DIGEST_BYTES = 32 * 1024 * 1024
-MAX_CONTENT_BYTES = 64 * 1024 * 1024
+MAX_STATE_ENTRIES = 300_000
+MAX_CHAIN_MESSAGES = 200_000
+MAX_DIGEST_BYTES = 16 * 1024 * 1024
+MAX_CONTENT_BYTES = 32 * 1024 * 1024
 
 
 class SessionMemo:
     def __init__(self, max_trajectories: int = MAX_TRAJECTORIES,
+                 max_state_entries: int = MAX_STATE_ENTRIES,
+                 max_chain_messages: int = MAX_CHAIN_MESSAGES,
                  max_digest_bytes: int = MAX_DIGEST_BYTES,
                  max_content_bytes: int = MAX_CONTENT_BYTES) -> None:
         # (tenant, bytes) -> digest, and item id -> content: plain dicts emptied whole when
@@ -63,8 +70,10 @@ class SessionMemo:
         # Per trajectory: the last history's digests, its chain links (sha256 bytes) and their
         # hex prefixes.
         self._chains: LRUCache[Any, tuple[list[str], list[bytes], list[str]]] = LRUCache(
-            max_trajectories)
-        self._states: LRUCache[Any, tuple[int, PlaceholderState]] = LRUCache(max_trajectories)
+            max_chain_messages, getsizeof=lambda entry: len(entry[0]) + 1)
+        self._states: LRUCache[Any, tuple[int, PlaceholderState]] = LRUCache(
+            max_state_entries,
+            getsizeof=lambda entry: len(entry[1].labels) + len(entry[1].aliases) + 1)
         self._parents: LRUCache[Any, tuple[str, int, str]] = LRUCache(max_trajectories)
 
     # --- digests ---------------------------------------------------------------------------
@@ -107,7 +116,11 @@ class SessionMemo:
             prev = hashlib.sha256(prev + b"|" + d.encode()).digest()
             links.append(prev)
             out.append(prev.hex()[:hex_len])
-        self._chains[trajectory] = (list(digests), links, out)
+        entry = (list(digests), links, out)
+        if self._chains.getsizeof(entry) <= self._chains.maxsize:
+            self._chains[trajectory] = entry
+        else:
+            self._chains.pop(trajectory, None)
         return list(out)
 
     # --- item content ----------------------------------------------------------------------
@@ -129,7 +142,8 @@ class SessionMemo:
         return self._states.pop(trajectory, None)
 
     def keep_state(self, trajectory: Any, seq: int, state: PlaceholderState) -> None:
-        self._states[trajectory] = (seq, state)
+        if self._states.getsizeof((seq, state)) <= self._states.maxsize:
+            self._states[trajectory] = (seq, state)
 
     def forget_state(self, trajectory: Any) -> None:
         self._states.pop(trajectory, None)
