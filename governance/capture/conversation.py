@@ -152,11 +152,17 @@ def chain_digests(digests: Sequence[str]) -> list[str]:
     """c[i] = sha256(c[i-1] | digests[i]): c[i] names the first i+1 messages, so a lookup of a
     request's chain digests finds every stored step whose whole history is one of its
     prefixes."""
-    out: list[str] = []
-    prev = b""
+    return [link.hex()[:DIGEST_HEX] for link in chain_links(digests)]
+
+
+def chain_links(digests: Iterable[str], prev: bytes = b"") -> list[bytes]:
+    """The whole sha256 of each chain digest (chain_digests keeps a prefix of each), going on
+    from the link `prev` (b"": from the start), so a chain can be continued
+    (capture/session_memo.py)."""
+    out: list[bytes] = []
     for d in digests:
         prev = hashlib.sha256(prev + b"|" + d.encode()).digest()
-        out.append(prev.hex()[:DIGEST_HEX])
+        out.append(prev)
     return out
 
 
@@ -228,9 +234,9 @@ def known_items(trajectory_ids: Iterable[Any], digests: Iterable[str], version: 
     wanted = set(digests)
     if not out or not wanted:
         return out
-    items = ConversationItem.objects.filter(trajectory_id__in=list(out), digest__in=wanted,
-                                            sanitizer_version=version)
     if memo is None:
+        items = ConversationItem.objects.filter(trajectory_id__in=list(out), digest__in=wanted,
+                                                sanitizer_version=version)
         for tid, digest, pk, content in items.values_list("trajectory_id", "digest", "pk",
                                                           "content"):
             out[tid].content[digest] = content

@@ -12,7 +12,9 @@ grows with the session.
 Each memo here holds either a pure function's results or rows the database never changes, and
 is used so that it cannot serve something stale:
 
-- `digest`: the keyed digest of exact bytes, per tenant — a pure function.
+- `digest`: the keyed digest of exact bytes, per tenant — a pure function (of the master key
+  too, which does not change under a running worker: the shared detection cache derives its
+  key from it once as well, governance/sanitizing.py).
 - `chains`: chain digests (conversation.chain_digests) of a trajectory's last history; a new
   history that starts with it continues from its last link — a pure function of the digests.
 - `content`: an item's sanitized content by primary key. An item row is never updated; a
@@ -33,12 +35,12 @@ emptied whole when over their bytes.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachetools import LRUCache
 
+from governance.capture.conversation import chain_links
 from governance.sanitizer.policy import PlaceholderState
 
 # Bounds, per worker process (RecentBodies keeps 64 MB beside them): the trajectories whose
@@ -112,10 +114,9 @@ class SessionMemo:
             if start:
                 links, out = old_links[:start], old_hex[:start]
                 prev = links[-1]
-        for d in digests[start:]:
-            prev = hashlib.sha256(prev + b"|" + d.encode()).digest()
-            links.append(prev)
-            out.append(prev.hex()[:hex_len])
+        for link in chain_links(digests[start:], prev):
+            links.append(link)
+            out.append(link.hex()[:hex_len])
         entry = (list(digests), links, out)
         if self._chains.getsizeof(entry) <= self._chains.maxsize:
             self._chains[trajectory] = entry
@@ -144,9 +145,6 @@ class SessionMemo:
     def keep_state(self, trajectory: Any, seq: int, state: PlaceholderState) -> None:
         if self._states.getsizeof((seq, state)) <= self._states.maxsize:
             self._states[trajectory] = (seq, state)
-
-    def forget_state(self, trajectory: Any) -> None:
-        self._states.pop(trajectory, None)
 
     # --- parents ---------------------------------------------------------------------------
 
