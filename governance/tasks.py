@@ -380,8 +380,9 @@ def _store_steps(writes: list[_StepWrite]
     neighbours are built. Without this the whole batch rolled back, the beat sweep re-queued
     it every minute, and coalescing dragged the poison interaction into every later batch of
     the tenant, so none of them was ever built. A step whose parent step was refused keeps its
-    whole history itself. A lost connection is not the payload's fault: it propagates and the
-    task retries."""
+    whole history itself, and the rows of the items a refused step first carried go to the next
+    step carrying them (_hand_over_item_rows, decision 46). A lost connection is not the
+    payload's fault: it propagates and the task retries."""
     if not writes:
         return [], []
     try:
@@ -396,7 +397,8 @@ def _store_steps(writes: list[_StepWrite]
     stored: list[_StepWrite] = []
     refused: list[tuple[Interaction, str]] = []
     refused_steps: set[Any] = set()
-    for write in writes:
+    orphans: set[int] = set()
+    for position, write in enumerate(writes):
         step = write.step
         if step is not None and step.parent_step in refused_steps:
             step.parent_step, step.kept, step.appended = None, 0, list(write.full_history)
@@ -409,11 +411,55 @@ def _store_steps(writes: list[_StepWrite]
         except (DatabaseError, ValueError) as exc:
             if step is not None:
                 refused_steps.add(step.pk)
+            orphans |= _hand_over_item_rows(write, writes[position + 1:])
             # The class and SQLSTATE only: a database message can quote the value.
             code = getattr(getattr(exc, "__cause__", None), "sqlstate", None) or ""
             refused.append((write.interaction, "step not stored: the database refused it ("
                             f"{type(exc).__name__}{' ' + code if code else ''})"))
+    _delete_orphan_items(orphans)
     return stored, refused
+
+
+def _hand_over_item_rows(dead: _StepWrite, later: list[_StepWrite]) -> set[int]:
+    """The findings and subject-index rows of the items first stored for a step that is not
+    stored after all (the database refused it, or one of its other items) go to the next step
+    of the batch that carries each item: an item is stored before its steps, so without this
+    a later step would reference it while nothing indexed whom it names — an erasure would not
+    find the trajectory by that subject — and its findings would be counted nowhere. Returns
+    the items no later step carries: nothing references them, and they are deleted
+    (_delete_orphan_items); a later call carrying the same message stores it again, with its
+    rows."""
+    owned = {f.item_id for f in dead.findings if f.item_id is not None} | {
+        row.item_id for row in dead.index_rows if row.source == SubjectIndex.Source.ITEM}
+    if not owned:
+        return set()
+    heirs: dict[int, _StepWrite] = {}
+    for write in later:
+        if write.step is None:
+            continue
+        carried = {*write.full_history, *write.step.item_refs.values()}
+        for item_id in (owned & carried) - heirs.keys():
+            heirs[item_id] = write
+    for finding in dead.findings:
+        heir = heirs.get(finding.item_id) if finding.item_id is not None else None
+        if heir is not None:
+            finding.step_id = heir.step.pk
+            heir.findings.append(finding)
+    for row in dead.index_rows:
+        if row.source == SubjectIndex.Source.ITEM and row.item_id in heirs:
+            heirs[row.item_id].index_rows.append(row)
+    dead.findings, dead.index_rows = [], []
+    return owned - heirs.keys()
+
+
+def _delete_orphan_items(item_ids: set[int]) -> None:
+    """Items of this batch that no step references (see _hand_over_item_rows): kept, they
+    would hold sanitized content for no step, and erasure and retention reach items through
+    the steps and subject-index rows that no longer exist for them."""
+    if item_ids:
+        ConversationItem.objects.filter(pk__in=item_ids).delete()
+        log.info("capture: %d conversation items deleted: the steps first carrying them were "
+                 "not stored (items %s)", len(item_ids), _id_ranges(sorted(item_ids)))
 
 
 def _remember_batch(tenant_id: int, trajectories: dict[Any, Trajectory],
@@ -547,7 +593,15 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         if w.step.parent_step in dropped:
             w.step.parent_step, w.step.kept = None, 0
             w.step.appended = list(w.full_history)
-    writes[:] = [w for w in writes if w.step is None or w.step.pk not in dropped]
+    if dropped:
+        kept = [w for w in writes if w.step is None or w.step.pk not in dropped]
+        orphans: set[int] = set()
+        for position, w in enumerate(writes):
+            if w.step is not None and w.step.pk in dropped:
+                orphans |= _hand_over_item_rows(w, [
+                    k for k in writes[position + 1:] if k.step is None or k.step.pk not in dropped])
+        _delete_orphan_items(orphans)
+        writes[:] = kept
     return out
 
 

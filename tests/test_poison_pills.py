@@ -8,6 +8,7 @@ import base64
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,19 @@ from django.db import connection
 
 from governance.capture.rawstore import decode_body, open_dead_letter, open_raw
 from governance.capture.shipper import Shipper, ship_once, storable_text
+from governance.erasure import lookup_hashes
 from governance.keyring import subject_hash
-from governance.models import DeadLetter, Interaction, Step, Trajectory
+from governance.models import (
+    ConversationItem,
+    DeadLetter,
+    Finding,
+    Interaction,
+    Step,
+    SubjectIndex,
+    Trajectory,
+)
 from governance.tasks import build_steps
-from tests.pipeline import chat_response, make_record, write_records
+from tests.pipeline import chat_response, make_record, ship_and_build, write_records
 from tests.test_shipper import _child_env
 from wire.spool import segments
 
@@ -76,6 +86,87 @@ def test_nul_in_message_content_quarantines_that_interaction_and_builds_its_neig
     pk = Interaction.objects.get(flow_id=later["flow_id"]).pk
     assert build_steps([pk]) == {"built": 1, "quarantined": 0, "skipped": 0}
     assert Interaction.objects.filter(pending__state="captured").count() == 0
+
+
+def _session_call(tenant, agent, traj: str, messages: list, t: float,
+                  reply: str = "Noted.") -> dict:
+    return make_record(tenant.pk, agent.pk, trajectory_id=traj,
+                       request={"model": "m", "messages": messages},
+                       response=chat_response(reply), t=t)
+
+
+PERSONAL = {"role": "user", "content": "Please update the address of Dana White, "
+                                        "dana.white@example.net, phone +1 415 555 0199."}
+
+
+def _subject_key(tenant) -> int:
+    from governance.sanitizer import normalize_identifier
+
+    return SubjectIndex.keys([subject_hash(tenant.pk, normalize_identifier(
+        "EMAIL_ADDRESS", "dana.white@example.net"))])[0]
+
+
+def _item_rows(traj: str) -> tuple[list, list, list]:
+    items = list(ConversationItem.objects.filter(trajectory_id=traj).values_list("pk", flat=True))
+    findings = list(Finding.objects.filter(item_id__in=items).values_list("item_id", "step_id"))
+    keys = list(SubjectIndex.objects.filter(trajectory_id=traj).values_list("item_id", "hashes"))
+    return items, findings, keys
+
+
+@pytest.mark.parametrize("refused_by", ["reply", "another item"])
+def test_a_refused_first_carrier_hands_its_items_rows_to_the_next_step(tenant, agent, tmp_path,
+                                                                       refused_by):
+    """The personal data of a message is indexed (and its findings kept) with the first step
+    that carries it. When the database refuses that step (a NUL in its reply) or another of
+    its messages, the item is stored all the same and the next call of the session carries it:
+    its subject-index row and findings go with that call's step, so an erasure still finds the
+    trajectory by the subject (decision 46)."""
+    traj = str(uuid.uuid4())
+    t0 = 1_700_000_100
+    if refused_by == "reply":
+        first = _session_call(tenant, agent, traj, [PERSONAL], t0, reply="do\u0000ne")
+    else:
+        first = _session_call(tenant, agent, traj,
+                              [PERSONAL, {"role": "user", "content": "a\u0000b"}], t0)
+    second = _session_call(tenant, agent, traj, [
+        PERSONAL, {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Thanks."}], t0 + 1)
+    ship_and_build(tmp_path, [first, second])  # one batch
+
+    assert not Step.objects.filter(pk=first["step_id"]).exists()
+    assert Interaction.objects.get(flow_id=first["flow_id"]).state == "quarantined"
+    assert Step.objects.filter(pk=second["step_id"]).exists()
+    personal = ConversationItem.objects.get(trajectory_id=traj, first_step=first["step_id"],
+                                            pk__in=Step.objects.get(pk=second["step_id"]).appended)
+    items, findings, keys = _item_rows(traj)
+    assert (personal.pk, uuid.UUID(second["step_id"])) in findings
+    assert any(item == personal.pk and _subject_key(tenant) in hashes for item, hashes in keys)
+    # Erasure's lookup (governance/erasure.py) finds the trajectory by the subject.
+    wanted = SubjectIndex.keys(lookup_hashes(tenant.pk, "dana.white@example.net"))
+    assert set(SubjectIndex.objects.filter(hashes__keys_overlap=wanted)
+               .values_list("trajectory_id", flat=True)) == {uuid.UUID(traj)}
+
+
+def test_a_refused_first_carrier_alone_leaves_no_item_and_the_next_batch_indexes_it(
+        tenant, agent, tmp_path):
+    """The same, with the refused call alone in its batch: nothing references the items it
+    stored, so they are deleted; the next call stores the message again, with its rows."""
+    traj = str(uuid.uuid4())
+    t0 = 1_700_000_200
+    first = _session_call(tenant, agent, traj, [PERSONAL], t0, reply="do\u0000ne")
+    ship_and_build(tmp_path / "a", [first])
+    assert not Step.objects.filter(trajectory_id=traj).exists()
+    assert _item_rows(traj) == ([], [], [])
+
+    second = _session_call(tenant, agent, traj, [
+        PERSONAL, {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Thanks."}], t0 + 1)
+    ship_and_build(tmp_path / "b", [second])
+    step = Step.objects.get(pk=second["step_id"])
+    items, findings, keys = _item_rows(traj)
+    assert set(step.appended) == set(items) and len(items) == 3
+    assert findings and all(s == step.pk for _, s in findings)
+    assert any(_subject_key(tenant) in hashes for _, hashes in keys)
 
 
 # --- item 6: a record PostgreSQL refuses ------------------------------------------------------
