@@ -15,6 +15,7 @@ import pytest
 from tests.bench.long_sessions import (
     SYSTEM_PROMPT,
     assistant_for,
+    median_repetition,
     message_bytes,
     new_texts,
     presidio_texts,
@@ -107,6 +108,20 @@ def test_the_upstreams_stream_reassembles_into_its_answer():
     assert stream_chunks(whole, False)[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_the_table_shows_the_median_repetition():
+    """--repeat: the repetition shown (and judged) is the one whose paired session / one-off
+    time ratio is the median, the higher middle one of an even count."""
+    def reps(*times: float) -> list[dict]:
+        return [{"time_to_sanitized_s": t} for t in times]
+
+    one_off = reps(2.0, 2.0, 2.0)
+    assert median_repetition({"one-off": one_off, "session": reps(3.0, 2.2, 2.6)}) == 2
+    assert median_repetition({"one-off": reps(4.0, 2.0, 3.0),  # ratios 0.75, 1.5, 1.0
+                              "session": reps(3.0, 3.0, 3.0)}) == 2
+    assert median_repetition({"one-off": reps(2.0, 2.0), "session": reps(2.4, 2.2)}) == 0
+    assert median_repetition({"one-off": reps(2.0), "session": reps(9.0)}) == 0
+
+
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -168,18 +183,29 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
 def test_a_streamed_run_through_the_real_appliance(tmp_path):
     """`--stream`: every call of both modes streamed through the real proxy to the openai
     client, which checks each tool call (id and arguments) came back as the upstream sent it;
-    every call becomes a step."""
+    every call becomes a step. `--repeat 2`: each mode twice, each run counting its own
+    steps only (an agent of its own), every repetition's time ratio printed."""
     out = tmp_path / "figures.json"
     proc = _bench("--shapes", "3", "--sessions", "1", "--new-kb", "1", "--stream",
-                  "--paced-shape", "0", "--backlog-shape", "0", "--json", str(out), timeout=300)
+                  "--repeat", "2", "--paced-shape", "0", "--backlog-shape", "0",
+                  "--json", str(out), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["stream"] is True and result["failed"] == []
-    runs = result["shapes"][0]["runs"]
+    (shape,) = result["shapes"]
+    runs = shape["runs"]
     assert set(runs) == {"one-off", "session"}
     for run in runs.values():
         assert run["calls"] == run["steps"] == 3, run
     assert "streamed" in proc.stdout
+    assert shape["repetitions"] == 2 and shape["shown_repetition"] in (1, 2)
+    assert len(shape["time_ratios"]["session"]) == 2
+    for mode in ("one-off", "session"):
+        repeated = shape["repeated_runs"][mode]
+        assert len(repeated) == 2 and all(r["time_to_sanitized_s"] > 0 for r in repeated)
+        assert runs[mode]["time_to_sanitized_s"] == repeated[shape["shown_repetition"] - 1][
+            "time_to_sanitized_s"]
+    assert "session/1-off time, each repetition" in proc.stdout
 
 
 @pytest.mark.parametrize("option, url, service", [
