@@ -373,6 +373,36 @@ def test_raw_requests_are_deltas_that_open_whole_and_survive_retention(tenant, a
             assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
 
 
+def test_a_system_prompt_that_changes_every_call_is_still_stored_as_deltas(tenant, agent,
+                                                                           tmp_path):
+    """An agent that puts the time in its system prompt changes the first message of every
+    call: the raw requests are still deltas (copies of the conversation's blocks around the
+    change, decision 48), each opening to exactly what was sent."""
+    from governance.capture.rawstore import decode_body, open_raw
+    from governance.models import Interaction
+
+    traj = str(uuid.uuid4())
+    t0 = timezone.now().timestamp() - 100
+    history: list[dict] = []
+    records = []
+    for i in range(12):
+        history = history + [_user(f"Question {i}: " + "lorem ipsum " * 40),
+                             _assistant(f"Answer {i}")]
+        system = {"role": "system", "content": SYSTEM["content"] + f" It is 09:{i:02d}."}
+        records.append(_call(tenant, agent, traj, [system, *history], t0 + i))
+    ship_and_build(tmp_path, records)
+    sent = {r["flow_id"]: decode_body(r["request_body"]) for r in records}
+    rows = list(Interaction.objects.filter(trajectory_id=traj).select_related("data_key")
+                .order_by("started_at"))
+    assert len(rows) == 12 and all(r.state == "processed" for r in rows)
+    assert sum(1 for r in rows if not r.raw_base_flow) == 1
+    with tenant_context(tenant):
+        for row in rows:
+            assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
+    stored = sum(len(bytes(r.raw_ciphertext)) for r in rows)
+    assert stored < sum(len(b) for b in sent.values()) / 4
+
+
 def test_a_chain_restarts_whole_at_its_rebuild_budget_and_its_link_limit(
         tenant, agent, tmp_path, monkeypatch):
     """A chain of deltas restarts with a whole copy when opening its next link would rebuild

@@ -184,15 +184,20 @@ def test_a_streamed_run_through_the_real_appliance(tmp_path):
     """`--stream`: every call of both modes streamed through the real proxy to the openai
     client, which checks each tool call (id and arguments) came back as the upstream sent it;
     every call becomes a step. `--repeat 2`: each mode twice, each run counting its own
-    steps only (an agent of its own), every repetition's time ratio printed."""
+    steps only (an agent of its own), every repetition's time ratio printed.
+    `--clock-in-system`: the system prompt carries the time of each call."""
     out = tmp_path / "figures.json"
     proc = _bench("--shapes", "3", "--sessions", "1", "--new-kb", "1", "--stream",
-                  "--repeat", "2", "--paced-shape", "0", "--backlog-shape", "0",
-                  "--json", str(out), timeout=400)
+                  "--repeat", "2", "--clock-in-system", "--paced-shape", "0",
+                  "--backlog-shape", "0", "--json", str(out), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["stream"] is True and result["failed"] == []
+    # --clock-in-system: the session's first message changed at every call, and its later
+    # raw requests are still deltas of the first (decision 48).
+    assert result["clock_in_system"] is True
     (shape,) = result["shapes"]
+    assert shape["runs"]["session"]["raw_whole_copies"] == 1
     runs = shape["runs"]
     assert set(runs) == {"one-off", "session"}
     for run in runs.values():

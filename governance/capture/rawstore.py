@@ -258,35 +258,100 @@ def _common_prefix(a: bytes, b: bytes, limit: int) -> int:
     return lo
 
 
-def request_delta(base: bytes, body: bytes) -> dict[str, Any] | None:
-    """`body` as {prefix, suffix, middle (base64), sha256} against `base`, or None when that
-    saves less than half of it (a different conversation, a short body)."""
-    a, b = bytes(base), bytes(body)  # (bytes already: the same objects, no copy)
-    limit = min(len(a), len(b))
-    prefix = _common_prefix(a, b, limit)
-    rest = limit - prefix
-    lo, hi = 0, rest
-    while lo < hi:  # the longest common suffix not overlapping the prefix
+# Copies from the base inside a delta's middle (decision 48): blocks shorter than this are
+# left in the literal (a copy costs ~15 bytes of header JSON, and short matches fragment it);
+# ANCHOR is the probe looked up in the new body; at most COPY_PROBES probes a delta.
+COPY_MIN = 256
+ANCHOR = 64
+COPY_PROBES = 64
+
+
+def _common_suffix(a: bytes, b: bytes, limit: int) -> int:
+    """Length of the longest common suffix of at most `limit` bytes (as _common_prefix)."""
+    lo, hi = 0, limit
+    while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[len(a) - mid:] == b[len(b) - mid:]:
             lo = mid
         else:
             hi = mid - 1
-    suffix = lo
-    middle = body[prefix:len(body) - suffix]
-    if len(middle) > DELTA_MAX_SHARE * len(body):
-        return None
-    return {"prefix": prefix, "suffix": suffix,
-            "middle": base64.b64encode(middle).decode("ascii"),
-            "sha256": hashlib.sha256(body).hexdigest()}
+    return lo
+
+
+def _copies(old: bytes, new: bytes) -> tuple[bytes, list[list[int]]]:
+    """`new` as literal bytes plus copies of blocks of `old`: (literal, [[at, start, length]])
+    — a copy of old[start:start + length] goes in at offset `at` of the literal. Greedy and
+    in order: probe ANCHOR bytes of `old` at a time (stepping on when a probe is not in
+    `new`), find it in what is left of `new` (bytes.find: C), grow the match both ways
+    (binary searches over slice compares), keep it when it is COPY_MIN bytes or more. What
+    it is for: a session whose first message changes at every call (a system prompt with
+    the time or a memory block in it) sends the conversation again after a change near its
+    start — one common prefix and suffix leave all of it in the middle."""
+    literal = bytearray()
+    copies: list[list[int]] = []
+    i = j = 0  # next unmatched byte of new, of old
+    probes = 0
+    while i < len(new) and j + ANCHOR <= len(old) and probes < COPY_PROBES:
+        probes += 1
+        q = new.find(old[j:j + ANCHOR], i)
+        if q < 0:
+            j += ANCHOR
+            continue
+        back = _common_suffix(old[:j], new[:q], min(j, q - i))
+        forward = ANCHOR + _common_prefix(old[j + ANCHOR:], new[q + ANCHOR:],
+                                          min(len(old) - j, len(new) - q) - ANCHOR)
+        start, length, at = j - back, back + forward, q - back
+        if length < COPY_MIN:
+            j += ANCHOR
+            continue
+        literal += new[i:at]
+        copies.append([len(literal), start, length])
+        i, j = at + length, start + length
+    literal += new[i:]
+    return bytes(literal), copies
+
+
+def request_delta(base: bytes, body: bytes) -> dict[str, Any] | None:
+    """`body` as {prefix, suffix, middle (base64), sha256} against `base` — and `copies` when
+    blocks of the base's middle reappear in the body's (`_copies`: the body's middle is then
+    the literal `middle` with those copies put in) — or None when that saves less than half
+    of it (a different conversation, a short body)."""
+    a, b = bytes(base), bytes(body)  # (bytes already: the same objects, no copy)
+    limit = min(len(a), len(b))
+    prefix = _common_prefix(a, b, limit)
+    suffix = _common_suffix(a, b, limit - prefix)  # not overlapping the prefix
+    middle = b[prefix:len(b) - suffix]
+    copies: list[list[int]] = []
+    if len(middle) > DELTA_MAX_SHARE * len(b):
+        middle, copies = _copies(a[prefix:len(a) - suffix], middle)
+        for copy in copies:
+            copy[1] += prefix  # offsets into the whole base
+        if len(middle) > DELTA_MAX_SHARE * len(b):
+            return None
+    delta: dict[str, Any] = {"prefix": prefix, "suffix": suffix,
+                             "middle": base64.b64encode(middle).decode("ascii"),
+                             "sha256": hashlib.sha256(body).hexdigest()}
+    if copies:
+        delta["copies"] = copies
+    return delta
 
 
 def apply_delta(base: bytes, delta: dict[str, Any]) -> bytes:
     prefix, suffix = int(delta["prefix"]), int(delta["suffix"])
     if prefix + suffix > len(base):
         raise ValueError("request delta does not fit its base")
-    body = (base[:prefix] + base64.b64decode(delta["middle"], validate=True)
-            + (base[len(base) - suffix:] if suffix else b""))
+    literal = base64.b64decode(delta["middle"], validate=True)
+    pieces = [base[:prefix]]
+    pos = 0
+    for at, start, length in delta.get("copies") or ():
+        at, start, length = int(at), int(start), int(length)
+        if not (pos <= at <= len(literal) and 0 <= start and length > 0
+                and start + length <= len(base)):
+            raise ValueError("request delta does not fit its base")
+        pieces += [literal[pos:at], base[start:start + length]]
+        pos = at
+    pieces += [literal[pos:], base[len(base) - suffix:] if suffix else b""]
+    body = b"".join(pieces)
     if hashlib.sha256(body).hexdigest() != delta.get("sha256"):
         raise ValueError("request delta does not rebuild the body it was made from")
     return body

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/long_sessions.py [--shapes 10,60,200] [--sessions 2]
         [--new-kb 3 | --context-kb 100] [--corpus generated|presidio-research] [--inferred]
-        [--paced-shape 60] [--stream] [--repeat N] [--quick]
+        [--paced-shape 60] [--stream] [--clock-in-system] [--repeat N] [--quick]
 
 An agent resends its whole conversation with every call. This bench measures what that costs the
 appliance as it is: the real proxy (`mitmdump -s proxy/addon.py`), the real shipper
@@ -43,6 +43,9 @@ sessions) with how many payloads are sealed whole, where a call's bytes go (grow
 table, the largest twelve), where the worker's time went (its log line per built batch: batches,
 seconds by stage, delta chains started from the last opened call, strings whose detection was
 cached), and the ratios session / one-off.
+`--clock-in-system` ends the system prompt with the date, time and turn of the call, so the
+first message of a session changes at every call (agents that put the date or a memory block
+in their system prompt); in every mode.
 `--repeat N` runs each shape's modes N times (each repetition's modes back to back, in turn
 first) and shows the repetition whose session / one-off time ratio is the median, printing every
 repetition's ratio: on two cores shared by the agent, the proxy, the shipper and the worker, the
@@ -105,6 +108,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -342,11 +346,26 @@ def new_texts(messages: list[dict]) -> list[str]:
     return [t for t in texts if t]
 
 
+# --clock-in-system: the system prompt ends with the time of the call (set once by main).
+CLOCK_IN_SYSTEM = False
+
+
+def system_message(k: int) -> dict:
+    """Call k's system message: SYSTEM_PROMPT, and with --clock-in-system the date and time and
+    the turn after it, as agents that put the date (or a memory block) in their system prompt
+    send it — a session's first message then differs at every call."""
+    content = SYSTEM_PROMPT
+    if CLOCK_IN_SYSTEM:
+        now = datetime.fromtimestamp(1_764_979_200 + 37 * k, UTC)
+        content += f"\n\nCurrent date and time: {now:%A %d %B %Y, %H:%M:%S} UTC. Turn {k + 1}."
+    return {"role": "system", "content": content}
+
+
 def request_messages(turns: list[list[dict]], k: int, mode: str) -> list[dict]:
     """What call k sends: the system prompt plus, in a session, every message so far; one-off,
     only call k's new messages."""
     history = turns[k] if mode == "one-off" else [m for t in turns[:k + 1] for m in t]
-    return [{"role": "system", "content": SYSTEM_PROMPT}, *history]
+    return [system_message(k), *history]
 
 
 def new_kb_for(args: argparse.Namespace, calls: int) -> float:
@@ -973,7 +992,8 @@ def bench(args: argparse.Namespace) -> dict:
         failed = list(app.failed)
         warmup_s = app.warmup_s
         restarts = app.worker_restarts_s
-    return {"corpus": args.corpus, "stream": args.stream, "shapes": shapes, "failed": failed,
+    return {"corpus": args.corpus, "stream": args.stream,
+            "clock_in_system": args.clock_in_system, "shapes": shapes, "failed": failed,
             "warmup_s": warmup_s,
             "worker_restart_s": (round(statistics.mean(restarts), 1) if restarts else None),
             "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
@@ -1184,6 +1204,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--inferred", action="store_true",
                     help="also run each session without X-Steward-Session (the proxy infers "
                          "the trajectory from the conversation prefix)")
+    ap.add_argument("--clock-in-system", action="store_true",
+                    help="the system prompt ends with the date and time of the call and its "
+                         "turn, so it changes with every call (in every mode), as with agents "
+                         "that put the date or a memory block there")
     ap.add_argument("--paced-shape", type=int, default=None,
                     help="run this shape's sessions once more, paced below the sustained rate "
                          "just measured, for the lag p95 at that rate (default 60 when 60 is "
@@ -1241,13 +1265,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CLOCK_IN_SYSTEM
     args = parse_args(argv)
+    CLOCK_IN_SYSTEM = args.clock_in_system
     result = bench(args)
     print(summary_table(result))
     print(f"\nwall {result['wall_s']} s, warm-up {result['warmup_s']} s, worker restart "
           f"{result['worker_restart_s']} s (mean, before each run), {result['cpus']} CPUs, "
           f"load average {result['load_avg_1m']}, corpus {result['corpus']}"
-          f"{', streamed' if result['stream'] else ''}")
+          f"{', streamed' if result['stream'] else ''}"
+          f"{', the clock in the system prompt' if result['clock_in_system'] else ''}")
     for line in result["failed"]:
         print(f"FAILED: {line}")
     print(json.dumps(result))
