@@ -282,8 +282,8 @@ def _copies(old: bytes, new: bytes) -> tuple[bytes, list[list[int]]]:
     """`new` as literal bytes plus copies of blocks of `old`: (literal, [[at, start, length]])
     — a copy of old[start:start + length] goes in at offset `at` of the literal. Greedy and
     in order: probe ANCHOR bytes of `old` at a time (stepping on when a probe is not in
-    `new`), find it in what is left of `new` (bytes.find: C), grow the match both ways
-    (binary searches over slice compares), keep it when it is COPY_MIN bytes or more. What
+    `new`), find it in what is left of `new` (bytes.find: C), keep it when the COPY_MIN bytes
+    from there match too, and grow it both ways (binary searches over slice compares). What
     it is for: a session whose first message changes at every call (a system prompt with
     the time or a memory block in it) sends the conversation again after a change near its
     start — one common prefix and suffix leave all of it in the middle."""
@@ -294,16 +294,15 @@ def _copies(old: bytes, new: bytes) -> tuple[bytes, list[list[int]]]:
     while i < len(new) and j + ANCHOR <= len(old) and probes < COPY_PROBES:
         probes += 1
         q = new.find(old[j:j + ANCHOR], i)
-        if q < 0:
+        # A probe that only hits shared boilerplate (`{"role":"user","content":"`) is dropped
+        # after one short compare, before the binary searches copy the rest of both.
+        if q < 0 or old[j:j + COPY_MIN] != new[q:q + COPY_MIN]:
             j += ANCHOR
             continue
         back = _common_suffix(old[:j], new[:q], min(j, q - i))
         forward = ANCHOR + _common_prefix(old[j + ANCHOR:], new[q + ANCHOR:],
                                           min(len(old) - j, len(new) - q) - ANCHOR)
         start, length, at = j - back, back + forward, q - back
-        if length < COPY_MIN:
-            j += ANCHOR
-            continue
         literal += new[i:at]
         copies.append([len(literal), start, length])
         i, j = at + length, start + length
