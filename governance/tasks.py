@@ -416,7 +416,7 @@ def _store_steps(writes: list[_StepWrite]
             code = getattr(getattr(exc, "__cause__", None), "sqlstate", None) or ""
             refused.append((write.interaction, "step not stored: the database refused it ("
                             f"{type(exc).__name__}{' ' + code if code else ''})"))
-    _delete_orphan_items(orphans)
+    _delete_orphan_items(writes[0].interaction.tenant_id, orphans)
     return stored, refused
 
 
@@ -452,14 +452,15 @@ def _hand_over_item_rows(dead: _StepWrite, later: list[_StepWrite]) -> set[int]:
     return owned - heirs.keys()
 
 
-def _delete_orphan_items(item_ids: set[int]) -> None:
+def _delete_orphan_items(tenant_id: int, item_ids: set[int]) -> None:
     """Items of this batch that no step references (see _hand_over_item_rows): kept, they
     would hold sanitized content for no step, and erasure and retention reach items through
     the steps and subject-index rows that no longer exist for them."""
     if item_ids:
         ConversationItem.objects.filter(pk__in=item_ids).delete()
-        log.info("capture: %d conversation items deleted: the steps first carrying them were "
-                 "not stored (items %s)", len(item_ids), _id_ranges(sorted(item_ids)))
+        log.info("capture: tenant %s: %d conversation items deleted, the steps first carrying "
+                 "them were not stored (items %s)", tenant_id, len(item_ids),
+                 _id_ranges(sorted(item_ids)))
 
 
 def _remember_batch(tenant_id: int, trajectories: dict[Any, Trajectory],
@@ -594,14 +595,15 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
             w.step.parent_step, w.step.kept = None, 0
             w.step.appended = list(w.full_history)
     if dropped:
-        kept = [w for w in writes if w.step is None or w.step.pk not in dropped]
+        def stays(w: _StepWrite) -> bool:
+            return w.step is None or w.step.pk not in dropped
+
         orphans: set[int] = set()
         for position, w in enumerate(writes):
-            if w.step is not None and w.step.pk in dropped:
-                orphans |= _hand_over_item_rows(w, [
-                    k for k in writes[position + 1:] if k.step is None or k.step.pk not in dropped])
-        _delete_orphan_items(orphans)
-        writes[:] = kept
+            if not stays(w):
+                orphans |= _hand_over_item_rows(w, [k for k in writes[position + 1:] if stays(k)])
+        _delete_orphan_items(tenant_id, orphans)
+        writes[:] = [w for w in writes if stays(w)]
     return out
 
 

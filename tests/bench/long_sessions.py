@@ -346,7 +346,7 @@ def new_texts(messages: list[dict]) -> list[str]:
     return [t for t in texts if t]
 
 
-# --clock-in-system: the system prompt ends with the time of the call (set once by main).
+# --clock-in-system: the system prompt ends with the time of the call (set by bench()).
 CLOCK_IN_SYSTEM = False
 
 
@@ -923,6 +923,8 @@ def median_repetition(repeats: dict[str, list[dict]]) -> int:
 
 def bench(args: argparse.Namespace) -> dict:
     """Every shape and mode through one appliance; the figures as a dict."""
+    global CLOCK_IN_SYSTEM
+    CLOCK_IN_SYSTEM = args.clock_in_system  # read by system_message, in every mode
     server = args.pg
     broker = args.redis
     require_services(server, broker)
@@ -1265,9 +1267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global CLOCK_IN_SYSTEM
     args = parse_args(argv)
-    CLOCK_IN_SYSTEM = args.clock_in_system
     result = bench(args)
     print(summary_table(result))
     print(f"\nwall {result['wall_s']} s, warm-up {result['warmup_s']} s, worker restart "
