@@ -237,6 +237,9 @@ def trajectory_document(traj: Trajectory, compact: bool = False) -> dict:
     carries `history` = {"parent_step", "kept", "appended"} instead of that list in its
     observation — the full history is the parent step's first `kept` messages plus `appended`
     (the schema's optional compact form). Tools and instructions stay in full."""
+    # The calls not built yet are read before the steps: a batch that commits between the two
+    # reads then shows as "processing" with its step, never as "complete" without it.
+    unbuilt = quarantined_interactions(traj)
     steps = list(with_finding_counts(Step.objects.filter(trajectory=traj))
                  .order_by("started_at", "id"))
     # Compact form: each step's history as its parent step, the messages kept and those it
@@ -255,7 +258,6 @@ def trajectory_document(traj: Trajectory, compact: bool = False) -> dict:
     totals: Counter[str] = Counter()
     for s in steps:
         totals.update(s.finding_counts or {})
-    unbuilt = quarantined_interactions(traj)
     rewards = trajectory_rewards(traj, steps)
     retention = [s.retention_until for s in steps if s.retention_until is not None]
     sanitizer = {s.sanitizer_version for s in steps}
