@@ -152,9 +152,13 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
         assert worker["stage_s"]["sanitize"] > 0, worker
         # CPU by part: the worker's pool sanitized, the proxy forwarded, the bench sent.
         assert set(run["cpu_s"]) == {"proxy", "shipper", "worker", "bench"}, run["cpu_s"]
-        assert run["cpu_s"]["worker"] > 0 and run["cpu_s"]["proxy"] > 0, run["cpu_s"]
+        # The proxy forwards three small calls in a few ms: the kernel counts CPU in 10 ms ticks,
+        # so one run may read 0.0 (CI of 32097ec); all runs together may not.
+        assert run["cpu_s"]["worker"] > 0 and run["cpu_s"]["proxy"] >= 0, run["cpu_s"]
         assert run["detection_cache_bytes"] > 0  # the worker's pool shared its detections
     assert sum(r["db_growth_bytes"] for r in (*runs.values(), shape["paced"])) > 0
+    every_run = (*runs.values(), shape["paced"], *shape["backlog"].values())
+    assert sum(r["cpu_s"]["proxy"] for r in every_run) > 0, [r["cpu_s"] for r in every_run]
     # One trajectory of three steps for the session, three of one for the one-off calls.
     assert (runs["session"]["trajectories"], runs["session"]["steps_per_trajectory"]) == (1, [3, 3])
     assert (runs["one-off"]["trajectories"], runs["one-off"]["steps_per_trajectory"]) == (3, [1, 1])
