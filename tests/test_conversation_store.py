@@ -403,6 +403,47 @@ def test_a_system_prompt_that_changes_every_call_is_still_stored_as_deltas(tenan
     assert stored < sum(len(b) for b in sent.values()) / 4
 
 
+def test_a_session_that_drops_its_oldest_turns_stores_each_message_once(tenant, agent,
+                                                                         tmp_path):
+    """An agent that keeps its context under a budget drops its oldest turns after the first
+    user message: from then on every call's history truncates the previous one's instead of
+    extending it. Each message is still stored (and sanitized) once, every step materializes
+    exactly what its call sent, and the raw requests stay deltas (a copy of the kept turns)."""
+    from governance.capture.rawstore import decode_body, open_raw
+    from governance.models import Interaction
+
+    traj = str(uuid.uuid4())
+    t0 = timezone.now().timestamp() - 100
+    task = _user("Go through the open tickets one by one and answer each.")
+    turns = [[_user(f"Ticket {i}: " + "the parcel has not arrived " * 30),
+              _assistant(f"Answered ticket {i}.")] for i in range(14)]
+    histories = [[SYSTEM, task, *[m for t in turns[max(0, i - 3):i + 1] for m in t]]
+                 for i in range(14)]
+    records = [_call(tenant, agent, traj, h, t0 + i) for i, h in enumerate(histories)]
+    ship_and_build(tmp_path / "a", records[:6])
+    ship_and_build(tmp_path / "b", records[6:])  # parents from the database too
+
+    steps = _steps(traj)
+    assert len(steps) == 14
+    with tenant_context(tenant):
+        full = observations(steps)
+    assert [full[s.pk]["messages"] for s in steps] == histories
+    # system, task, each turn's two messages, the tool schemas: once each.
+    assert ConversationItem.objects.filter(trajectory_id=traj).count() == 2 + 2 * 14 + 1
+    # Past the window no stored history is a prefix of a call's (no step ended at the task):
+    # the step lists its window's items by id, each stored once above.
+    assert [(s.kept, len(s.appended)) for s in steps[4:]] == [(0, 10)] * 10
+    rows = list(Interaction.objects.filter(trajectory_id=traj).select_related("data_key")
+                .order_by("started_at"))
+    sent = {r["flow_id"]: decode_body(r["request_body"]) for r in records}
+    assert sum(1 for r in rows if not r.raw_base_flow) == 2  # the first call of each batch
+    with tenant_context(tenant):
+        for row in rows:
+            assert decode_body(open_raw(row)["request_body"]) == sent[row.flow_id]
+    stored = sum(len(bytes(r.raw_ciphertext)) for r in rows)
+    assert stored < sum(len(b) for b in sent.values()) / 4
+
+
 def test_a_chain_restarts_whole_at_its_rebuild_budget_and_its_link_limit(
         tenant, agent, tmp_path, monkeypatch):
     """A chain of deltas restarts with a whole copy when opening its next link would rebuild

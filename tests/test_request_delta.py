@@ -53,6 +53,55 @@ def test_a_changed_first_message_copies_the_rest_of_the_conversation():
     assert apply_delta(base, delta2) == body2 and _literal(delta2) < 200
 
 
+def _turns(sizes: list[int], cleared: frozenset[int] = frozenset()) -> list[dict]:
+    """A user message then tool results of these sizes (numbered, so no two are alike); those
+    in `cleared` replaced by a short marker, as agents that clear old tool output send them."""
+    out = [{"role": "user", "content": "Fix the failing build."}]
+    for n, size in enumerate(sizes):
+        text = "".join(f"line {n}.{k}: build step output, nothing to see\n"
+                       for k in range(size // 44 + 1))[:size]
+        out += [{"role": "assistant", "content": None, "tool_calls": [{
+                    "id": f"call_{n}", "type": "function",
+                    "function": {"name": "read_file", "arguments": f'{{"n": {n}}}'}}]},
+                {"role": "tool", "tool_call_id": f"call_{n}",
+                 "content": "[output cleared]" if n in cleared else text}]
+    return out
+
+
+def _request(messages: list[dict]) -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                                    *messages],
+                         "tools": [{"type": "function"}]})
+
+
+@pytest.mark.parametrize("dropped_kb", [2, 12, 60])
+def test_dropped_oldest_turns_of_any_size_copy_the_rest(dropped_kb):
+    """An agent keeping a context budget drops its oldest turns after the task, then appends
+    the new one: the rest of the conversation is copied from the base, however large the turn
+    it dropped (stepping one probe at a time passed 4 KB at most: sealed whole every call)."""
+    sizes = [dropped_kb * 1024] + [3000 + 97 * n for n in range(1, 25)]
+    history = _turns(sizes + [2500])
+    base = _request(history[:-2])  # the task, every turn but the newest
+    body = _request([history[0], *history[3:]])  # the oldest turn dropped, the newest added
+    delta = request_delta(base, body)
+    assert delta is not None and delta["copies"], dropped_kb
+    assert apply_delta(base, delta) == body
+    assert _literal(delta) < 3000, _literal(delta)  # the new turn, little else
+
+
+def test_old_tool_results_cleared_in_place_copy_what_is_between():
+    """Clearing old tool results (context editing) rewrites several messages in the middle of
+    the conversation: what lies between them is copied; only the markers and the new turn are
+    literal."""
+    sizes = [9000, 400, 15000, 3000, 20000, 3000, 3000]
+    base = _request(_turns(sizes[:-1]))
+    body = _request(_turns(sizes, cleared=frozenset({0, 2, 4})))
+    delta = request_delta(base, body)
+    assert delta is not None and len(delta["copies"]) >= 3
+    assert apply_delta(base, delta) == body
+    assert _literal(delta) < 3000 + 400, _literal(delta)
+
+
 def test_an_unrelated_body_is_stored_whole_and_a_bad_delta_is_refused():
     base = _body("Be brief.", 30)
     other = orjson.dumps({"model": "m", "messages": [

@@ -260,7 +260,8 @@ def _common_prefix(a: bytes, b: bytes, limit: int) -> int:
 
 # Copies from the base inside a delta's middle (decision 48): blocks shorter than this are
 # left in the literal (a copy costs ~15 bytes of header JSON, and short matches fragment it);
-# ANCHOR is the probe looked up in the new body; at most COPY_PROBES probes a delta.
+# ANCHOR is the probe of the new body looked up in the base; at most COPY_PROBES probes a
+# delta.
 COPY_MIN = 256
 ANCHOR = 64
 COPY_PROBES = 64
@@ -280,34 +281,68 @@ def _common_suffix(a: bytes, b: bytes, limit: int) -> int:
 
 def _copies(old: bytes, new: bytes) -> tuple[bytes, list[list[int]]]:
     """`new` as literal bytes plus copies of blocks of `old`: (literal, [[at, start, length]])
-    — a copy of old[start:start + length] goes in at offset `at` of the literal. Greedy and
-    in order: probe ANCHOR bytes of `old` at a time (stepping on when a probe is not in
-    `new`), find it in what is left of `new` (bytes.find: C), keep it when the COPY_MIN bytes
-    from there match too, and grow it both ways (binary searches over slice compares). What
-    it is for: a session whose first message changes at every call (a system prompt with
-    the time or a memory block in it) sends the conversation again after a change near its
-    start — one common prefix and suffix leave all of it in the middle."""
+    — a copy of old[start:start + length] goes in at offset `at` of the literal. Greedy, in
+    the order of `new`: take ANCHOR bytes of `new` where its unmatched part starts, find them
+    in `old` (bytes.find: C; after the last copy first, then anywhere), keep the place when
+    the COPY_MIN bytes from there match too, and grow the copy both ways (binary searches over
+    slice compares). What it is for: a session whose first message changes at every call (a
+    system prompt with the time or a memory block in it) sends the conversation again after
+    a change near its start, and one common prefix and suffix leave all of it in the middle;
+    so do agents that drop their oldest turns to stay within a context budget, or clear old
+    tool results in place.
+
+    Walking `new`, not `old` (decision 49): a block of `old` the body no longer has (a
+    dropped turn, a cleared tool result) costs no probe, whatever its size — stepping through
+    `old` a probe at a time passed 4 KB at most, so a 10 KB turn dropped sealed every payload
+    whole. Where `new` has bytes `old` lacks (the new turn, a marker), the next probe is twice
+    as far on as the last; one that lands past the start of the next copyable block grows back
+    to it."""
     literal = bytearray()
     copies: list[list[int]] = []
-    i = j = 0  # next unmatched byte of new, of old
+    i = 0  # the first byte of new not covered yet
+    p = 0  # where the next probe of new starts
+    j = 0  # the end of the last copy in old
+    stride = ANCHOR
     probes = 0
-    while i < len(new) and j + ANCHOR <= len(old) and probes < COPY_PROBES:
+    while p + COPY_MIN <= len(new) and probes < COPY_PROBES:
         probes += 1
-        q = new.find(old[j:j + ANCHOR], i)
-        # A probe that only hits shared boilerplate (`{"role":"user","content":"`) is dropped
-        # after one short compare, before the binary searches copy the rest of both.
-        if q < 0 or old[j:j + COPY_MIN] != new[q:q + COPY_MIN]:
-            j += ANCHOR
+        q = _find_block(old, new, p, j)
+        if q < 0:
+            p += stride
+            stride *= 2
             continue
-        back = _common_suffix(old[:j], new[:q], min(j, q - i))
-        forward = ANCHOR + _common_prefix(old[j + ANCHOR:], new[q + ANCHOR:],
-                                          min(len(old) - j, len(new) - q) - ANCHOR)
-        start, length, at = j - back, back + forward, q - back
+        stride = ANCHOR
+        back = _common_suffix(old[:q], new[:p], min(q, p - i))
+        forward = COPY_MIN + _common_prefix(old[q + COPY_MIN:], new[p + COPY_MIN:],
+                                            min(len(old) - q, len(new) - p) - COPY_MIN)
+        start, length, at = q - back, back + forward, p - back
         literal += new[i:at]
         copies.append([len(literal), start, length])
-        i, j = at + length, start + length
+        i = p = at + length
+        j = start + length
     literal += new[i:]
     return bytes(literal), copies
+
+
+# Places of a probe tried before it counts as not found (boilerplate such as
+# `{"role":"assistant","content":null,"tool_calls":[{"id":"call_` recurs at every turn).
+FIND_TRIES = 4
+
+
+def _find_block(old: bytes, new: bytes, p: int, after: int) -> int:
+    """Where in `old` the COPY_MIN bytes of `new` from `p` are, looked for after `after` (the
+    end of the last copy: conversations keep their order) and then from the start; -1 when
+    neither finds them in FIND_TRIES places of their first ANCHOR bytes."""
+    probe, block = new[p:p + ANCHOR], new[p:p + COPY_MIN]
+    for lo in (after, 0) if after else (0,):
+        q = old.find(probe, lo)
+        for _ in range(FIND_TRIES):
+            if q < 0:
+                break
+            if old[q:q + COPY_MIN] == block:
+                return q
+            q = old.find(probe, q + 1)
+    return -1
 
 
 def request_delta(base: bytes, body: bytes) -> dict[str, Any] | None:

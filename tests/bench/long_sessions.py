@@ -2,7 +2,8 @@
 
     .venv/bin/python tests/bench/long_sessions.py [--shapes 10,60,200] [--sessions 2]
         [--new-kb 3 | --context-kb 100] [--corpus generated|presidio-research] [--inferred]
-        [--paced-shape 60] [--stream] [--clock-in-system] [--repeat N] [--quick]
+        [--paced-shape 60] [--stream] [--clock-in-system] [--window-kb K] [--repeat N]
+        [--quick]
 
 An agent resends its whole conversation with every call. This bench measures what that costs the
 appliance as it is: the real proxy (`mitmdump -s proxy/addon.py`), the real shipper
@@ -46,6 +47,9 @@ cached), and the ratios session / one-off.
 `--clock-in-system` ends the system prompt with the date, time and turn of the call, so the
 first message of a session changes at every call (agents that put the date or a memory block
 in their system prompt); in every mode.
+`--window-kb K` keeps a session's requests under K KB of messages: past that, each call drops the
+oldest turns after the first user message (coding and support agents that keep a context budget
+send this), so every call's history is a truncation of the previous one's, not an extension.
 `--repeat N` runs each shape's modes N times (each repetition's modes back to back, in turn
 first) and shows the repetition whose session / one-off time ratio is the median, printing every
 repetition's ratio: on two cores shared by the agent, the proxy, the shipper and the worker, the
@@ -361,11 +365,28 @@ def system_message(k: int) -> dict:
     return {"role": "system", "content": content}
 
 
+# --window-kb: a session's requests keep at most this many KB of messages (set by bench()).
+WINDOW_KB = 0.0
+
+
 def request_messages(turns: list[list[dict]], k: int, mode: str) -> list[dict]:
     """What call k sends: the system prompt plus, in a session, every message so far; one-off,
-    only call k's new messages."""
-    history = turns[k] if mode == "one-off" else [m for t in turns[:k + 1] for m in t]
-    return [system_message(k), *history]
+    only call k's new messages. With --window-kb, a session drops its oldest turns after the
+    first user message until the messages fit the window, as agents that keep their context
+    under a budget do (the history then no longer extends the previous call's: a truncation at
+    every call once the window is full)."""
+    if mode == "one-off":
+        return [system_message(k), *turns[k]]
+    first, rest = 1, k + 1
+    if WINDOW_KB:
+        budget = int(WINDOW_KB * 1024) - message_bytes([system_message(k), *turns[0]])
+        sizes = [message_bytes(t) for t in turns[:k + 1]]
+        start, size = k, sizes[k]
+        while start > first and size + sizes[start - 1] <= budget:
+            start -= 1
+            size += sizes[start]
+        return [system_message(k), *turns[0], *[m for t in turns[start:rest] for m in t]]
+    return [system_message(k), *[m for t in turns[:rest] for m in t]]
 
 
 def new_kb_for(args: argparse.Namespace, calls: int) -> float:
@@ -923,8 +944,9 @@ def median_repetition(repeats: dict[str, list[dict]]) -> int:
 
 def bench(args: argparse.Namespace) -> dict:
     """Every shape and mode through one appliance; the figures as a dict."""
-    global CLOCK_IN_SYSTEM
+    global CLOCK_IN_SYSTEM, WINDOW_KB
     CLOCK_IN_SYSTEM = args.clock_in_system  # read by system_message, in every mode
+    WINDOW_KB = args.window_kb  # read by request_messages, in the session modes
     server = args.pg
     broker = args.redis
     require_services(server, broker)
@@ -995,7 +1017,8 @@ def bench(args: argparse.Namespace) -> dict:
         warmup_s = app.warmup_s
         restarts = app.worker_restarts_s
     return {"corpus": args.corpus, "stream": args.stream,
-            "clock_in_system": args.clock_in_system, "shapes": shapes, "failed": failed,
+            "clock_in_system": args.clock_in_system, "window_kb": args.window_kb,
+            "shapes": shapes, "failed": failed,
             "warmup_s": warmup_s,
             "worker_restart_s": (round(statistics.mean(restarts), 1) if restarts else None),
             "wall_s": round(time.time() - started, 1), "cpus": os.cpu_count(),
@@ -1210,6 +1233,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the system prompt ends with the date and time of the call and its "
                          "turn, so it changes with every call (in every mode), as with agents "
                          "that put the date or a memory block there")
+    ap.add_argument("--window-kb", type=float, default=0,
+                    help="a session's requests carry at most this many KB of messages: the "
+                         "oldest turns after the first user message are dropped, as agents "
+                         "that keep their context under a budget do (every call past the "
+                         "window is a truncated history; default 0: the whole history)")
     ap.add_argument("--paced-shape", type=int, default=None,
                     help="run this shape's sessions once more, paced below the sustained rate "
                          "just measured, for the lag p95 at that rate (default 60 when 60 is "
@@ -1266,6 +1294,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def window_note(window_kb: float) -> str:
+    return f", a {window_kb:g} KB window" if window_kb else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = bench(args)
@@ -1274,7 +1306,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['worker_restart_s']} s (mean, before each run), {result['cpus']} CPUs, "
           f"load average {result['load_avg_1m']}, corpus {result['corpus']}"
           f"{', streamed' if result['stream'] else ''}"
-          f"{', the clock in the system prompt' if result['clock_in_system'] else ''}")
+          f"{', the clock in the system prompt' if result['clock_in_system'] else ''}"
+          f"{window_note(result['window_kb'])}")
     for line in result["failed"]:
         print(f"FAILED: {line}")
     print(json.dumps(result))
