@@ -56,6 +56,29 @@ def test_session_and_one_off_carry_the_same_new_messages():
     assert script(8, 6, 2048)[1] != turns[1]
 
 
+def test_a_window_drops_the_oldest_turns_after_the_first(monkeypatch):
+    """--window-kb: a session's call keeps the system prompt, the first user message and the
+    newest turns that fit; one-off calls and a window of 0 are as before."""
+    import tests.bench.long_sessions as bench
+
+    turns = script(7, 12, 2048)
+    whole = [request_messages(turns, k, "session") for k in range(12)]
+    monkeypatch.setattr(bench, "WINDOW_KB", 10)
+    for k in range(12):
+        sent = request_messages(turns, k, "session")
+        assert sent[:2] == whole[k][:2] and sent[-2:] == whole[k][-2:]
+        # The newest turns, in order, as many as fit: one more would not.
+        kept = (len(sent) - 2) // 2 + (k == 0)
+        assert sent[2:] == [m for t in turns[1:][k - kept:k] for m in t] if k else sent == whole[0]
+        assert message_bytes(sent) <= 10 * 1024 or kept == 1
+        if kept < k:
+            assert message_bytes(sent) + message_bytes(turns[k - kept]) > 10 * 1024
+        assert request_messages(turns, k, "one-off") == [sent[0], *turns[k]]
+    assert len(request_messages(turns, 11, "session")) < len(whole[11])
+    monkeypatch.setattr(bench, "WINDOW_KB", 0)
+    assert [request_messages(turns, k, "session") for k in range(12)] == whole
+
+
 def test_the_presidio_research_corpus_gives_the_new_content():
     """--corpus presidio-research: the user message and every tool result are that corpus's
     texts, consecutive across the session (none repeated), sized as --new-kb asks."""

@@ -378,7 +378,7 @@ def request_messages(turns: list[list[dict]], k: int, mode: str) -> list[dict]:
     if mode == "one-off":
         return [system_message(k), *turns[k]]
     first, rest = 1, k + 1
-    if WINDOW_KB:
+    if WINDOW_KB and k >= first:
         budget = int(WINDOW_KB * 1024) - message_bytes([system_message(k), *turns[0]])
         sizes = [message_bytes(t) for t in turns[:k + 1]]
         start, size = k, sizes[k]
