@@ -177,6 +177,25 @@ def test_chat_stream_cut_off_by_client_disconnect_keeps_partial_output():
     assert f["metadata"]["steward.client_disconnected"] is True
 
 
+def test_a_client_that_closes_after_the_last_event_is_not_an_error():
+    """openai-python closes the response at `[DONE]`; when that close reaches the proxy
+    before the upstream's end of the body, mitmproxy reports a client disconnect. The answer
+    was whole: no error (the step stays training-eligible), the close kept as metadata."""
+    body = sse(chunk({"content": "whole "}), chunk({"content": "answer"}), chunk(finish="stop"))
+    gone = {"kind": "client_disconnected", "message": "Client disconnected."}
+    f = build(resp=body, stream=True, error=gone)
+    assert f["action"]["messages"][0]["content"] == "whole answer"
+    assert f["error"] is None and f["metadata"]["steward.stream.done"] is True
+    assert f["metadata"]["steward.client_closed_after_end"] is True
+    assert "steward.client_disconnected" not in f["metadata"]
+    # The Responses API: its completed event ends the answer.
+    f = build("responses", RESP_REQ, _responses_events(True), stream=True, error=gone)
+    assert f["error"] is None and f["action"]["status"] == "completed"
+    # Another transport error after [DONE] is still one.
+    f = build(resp=body, stream=True, error={"kind": "upstream_error", "message": "reset"})
+    assert f["error"]["kind"] == "upstream_error"
+
+
 def test_error_event_inside_stream():
     body = sse(chunk({"content": "x"}), {"error": {"message": "CUDA OOM", "code": 500}},
                done=False)
