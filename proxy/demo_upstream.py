@@ -26,7 +26,9 @@ are unique (they chain conversations through `previous_response_id`).
 Test controls: header `X-Demo-Sleep: <seconds>` or a model named `sleep-<seconds>` delays the
 answer; header `X-Demo-Fail: <status>` or the model `fail-500` answers that status with an
 OpenAI error. Streams: header `X-Demo-Stall: <seconds>` pauses a chat stream after its first
-chunk; `X-Demo-Endless: 1` makes a chat stream send content chunks until the client goes away.
+chunk; `X-Demo-Endless: 1` makes a chat stream send content chunks until the client goes away;
+`X-Demo-Linger: <seconds>` waits that long between a chat stream's `data: [DONE]` and the end of
+its body (a client that closes at `[DONE]` then leaves before the server ends).
 
 With `debug=True` (the in-process test server; `--debug` on the command line, never under
 `steward up`): `GET /_debug/requests` lists the requests received (method, path, headers,
@@ -274,6 +276,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await resp.write(sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                               "model": model, "choices": [], "usage": usage}))
     await resp.write(b"data: [DONE]\n\n")
+    linger = request.headers.get("X-Demo-Linger")
+    if linger:
+        await asyncio.sleep(float(linger))
     await resp.write_eof()
     return resp
 

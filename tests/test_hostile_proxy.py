@@ -456,6 +456,34 @@ def test_capture_cap_truncates_the_record_not_the_answer(start_proxy, fake_upstr
     assert proxy.wait_for_record(small.headers["x-steward-step"])["response_truncated"] is None
 
 
+def test_a_client_that_closes_at_done_made_a_complete_call(start_proxy, fake_upstream,
+                                                           proxy_key):
+    """openai-python closes a stream's response as soon as it reads `data: [DONE]`. An
+    upstream that ends its body later (X-Demo-Linger) makes mitmproxy see the client leave
+    first: the record says client_disconnected, and the step built from it is complete — no
+    error, so it stays training-eligible (decision 50; CI of a9cadea lost a step's
+    eligibility to this race)."""
+    from governance.capture.steps import build_step_fields
+
+    proxy = start_proxy(fake_upstream.url)
+    wait_for_key(proxy, proxy_key.secret)
+    client = openai.OpenAI(base_url=proxy.base_url, api_key=proxy_key.secret, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=[{"role": "user", "content": "Say hello"}], stream=True,
+        extra_headers={"X-Demo-Linger": "3"})
+    text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    assert text
+    rec = proxy.wait_for_record(raw.headers["x-steward-step"], timeout=20)
+    assert rec["error"]["kind"] == "client_disconnected", rec["error"]
+    fields = build_step_fields(
+        endpoint="chat.completions", request_body=b64(rec["request_body"]),
+        response_body=b64(rec["response_body"]), response_status=rec["response_status"],
+        is_stream=True, error=rec["error"])
+    assert fields["error"] is None
+    assert fields["action"]["messages"][0]["content"] == text
+    assert fields["metadata"]["steward.client_closed_after_end"] is True
+
+
 def test_an_endless_stream_keeps_memory_bounded(start_proxy, fake_upstream, proxy_key):
     proxy = start_proxy(fake_upstream.url, STEWARD_MAX_CAPTURE_BYTES=str(MB))
     wait_for_key(proxy, proxy_key.secret)
