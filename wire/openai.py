@@ -328,6 +328,20 @@ def reassemble_completions_stream(events: list[tuple[str | None, dict]]
     return body, error
 
 
+# The events that end a Responses stream (the final `response` object rides on them).
+RESPONSES_END_EVENTS = frozenset({"response.completed", "response.failed",
+                                  "response.incomplete"})
+
+
+def _event_kind(event: str | None, ev: dict) -> str:
+    return ev.get("type") or event or ""
+
+
+def responses_stream_ended(events: list[tuple[str | None, dict]]) -> bool:
+    """Whether a Responses stream's last event arrived (the answer is whole)."""
+    return any(_event_kind(event, ev) in RESPONSES_END_EVENTS for event, ev in events)
+
+
 def reassemble_responses_stream(events: list[tuple[str | None, dict]]
                                 ) -> tuple[dict, dict | None]:
     """The final `response` object of a Responses stream: the one carried by
@@ -338,8 +352,8 @@ def reassemble_responses_stream(events: list[tuple[str | None, dict]]
     items: dict[int, dict] = {}
     error = None
     for event, ev in events:
-        kind = ev.get("type") or event or ""
-        if kind in ("response.completed", "response.failed", "response.incomplete"):
+        kind = _event_kind(event, ev)
+        if kind in RESPONSES_END_EVENTS:
             if isinstance(ev.get("response"), dict):
                 final = ev["response"]
             if kind == "response.failed" and isinstance(final, dict):

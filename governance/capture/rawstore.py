@@ -334,14 +334,15 @@ def _find_block(old: bytes, new: bytes, p: int, after: int) -> int:
     end of the last copy: conversations keep their order) and then from the start; -1 when
     neither finds them in FIND_TRIES places of their first ANCHOR bytes."""
     probe, block = new[p:p + ANCHOR], new[p:p + COPY_MIN]
-    for lo in (after, 0) if after else (0,):
-        q = old.find(probe, lo)
+    # (start, end) of each search: places from `after` on, then those before it only.
+    for lo, hi in ((after, len(old)), (0, after + ANCHOR - 1)) if after else ((0, len(old)),):
+        q = old.find(probe, lo, hi)
         for _ in range(FIND_TRIES):
             if q < 0:
                 break
             if old[q:q + COPY_MIN] == block:
                 return q
-            q = old.find(probe, q + 1)
+            q = old.find(probe, q + 1, hi)
     return -1
 
 

@@ -37,6 +37,7 @@ from wire.openai import (
     reassemble_chat_stream,
     reassemble_completions_stream,
     reassemble_responses_stream,
+    responses_stream_ended,
 )
 from wire.sse import sse_json_events
 
@@ -405,9 +406,8 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
                 ex.stream_meta["steward.stream.undecodable_events"] = bad
                 ex.unscanned.append("response_body")
             ex.stream_meta["steward.stream.done"] = done
-            ended = done or (endpoint == "responses" and any(
-                e.get("type") in _RESPONSES_END for _, e in events))
-            if ended and isinstance(error, dict) and error.get("kind") == "client_disconnected":
+            if (isinstance(error, dict) and error.get("kind") == "client_disconnected"
+                    and (done or (endpoint == "responses" and responses_stream_ended(events)))):
                 # The agent had the whole answer: its client closed the connection after the
                 # stream's last event, before the upstream's end of the body reached the proxy
                 # (openai-python closes the response at `[DONE]`). Not a failed call: no
@@ -438,10 +438,6 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
         else:  # a JSON scalar: kept as text
             ex.error_text = str(body)[:ERROR_TEXT_CHARS]
     return ex
-
-
-# A Responses API stream's last event (the answer is whole once one of them arrived).
-_RESPONSES_END = frozenset({"response.completed", "response.failed", "response.incomplete"})
 
 
 def _error_of(ex: Exchange) -> dict | None:
