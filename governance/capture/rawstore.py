@@ -283,7 +283,7 @@ def _copies(old: bytes, new: bytes) -> tuple[bytes, list[list[int]]]:
     """`new` as literal bytes plus copies of blocks of `old`: (literal, [[at, start, length]])
     — a copy of old[start:start + length] goes in at offset `at` of the literal. Greedy, in
     the order of `new`: take ANCHOR bytes of `new` where its unmatched part starts, find them
-    in `old` (bytes.find: C; after the last copy first, then anywhere), keep the place when
+    in `old` (bytes.find: C; after the last copy first, then before it), keep the place when
     the COPY_MIN bytes from there match too, and grow the copy both ways (binary searches over
     slice compares). What it is for: a session whose first message changes at every call (a
     system prompt with the time or a memory block in it) sends the conversation again after
