@@ -173,6 +173,53 @@ def test_a_batch_leaves_further_sessions_to_another_task_and_takes_one_off_calls
     assert (sorted(take), busy, split) == (sorted(calls), [], [])
 
 
+def test_a_backlog_of_two_sessions_is_split_even_when_few_of_their_calls_were_asked_for(db):
+    """When the workers have fallen behind, a task asks for two calls of each of two
+    sessions while sixty more of each wait: the first session's waiting calls (which
+    coalescing takes along) count towards SPLIT_AT, so the second goes to another task and
+    another worker builds it meanwhile, instead of one worker building both backlogs. A
+    session with one waiting call, and a one-off call, are still taken."""
+    from governance.tasks import BatchPlan
+
+    first, second, one_off = (str(uuid.uuid4()) for _ in range(3))
+    calls = {1: first, 2: second, 3: first, 4: second, 5: one_off}
+    waiting = {first: 62, second: 62, one_off: 1}
+    plan = BatchPlan(split=True, waiting=waiting)
+    assert plan.choose(calls) == ([1, 3, 5], [], [2, 4])
+    # Few calls waiting (the workers keep up): both sessions in one batch, as before.
+    take, busy, split = BatchPlan(split=True, waiting={first: 2, second: 2}).choose(calls)
+    assert (sorted(take), busy, split) == ([1, 2, 3, 4, 5], [], [])
+
+
+def test_a_worker_behind_two_sessions_leaves_the_second_to_another_task(
+        tenant, agent, tmp_path, monkeypatch):
+    """build_group as a worker's task runs it: asked for the first two calls of each of two
+    sessions while eight of each wait, it builds the first session's eight (coalescing) and
+    hands the second session's calls to a task of its own, at once."""
+    from governance.capture.shipper import ship_once
+    from governance.tasks import build_group, build_steps
+    from tests.pipeline import write_records
+
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    t0 = time.time() - 60
+    records = [make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + 2 * i + k,
+                           request={"model": "m", "messages": [
+                               {"role": "user", "content": f"Question {i} of {k}"}]},
+                           response=chat_response(f"Answer {i}"))
+               for i in range(8) for k, traj in enumerate((first, second))]
+    write_records(tmp_path, records)
+    ship_once(tmp_path, enqueue=lambda ids: None)
+    ids = {traj: sorted(Interaction.objects.filter(trajectory_id=traj)
+                        .values_list("pk", flat=True)) for traj in (first, second)}
+    asked: list[tuple] = []
+    monkeypatch.setattr(build_steps, "apply_async",
+                        lambda args, kwargs=None, **options: asked.append(args))
+    done = build_group(tenant.pk, sorted(ids[first][:2] + ids[second][:2]), split=True)
+    assert sorted(done["built"] + done["coalesced"]) == ids[first]
+    assert asked == [(ids[second][:2],)]
+    assert not Step.objects.filter(trajectory_id=second).exists()
+
+
 def _wait_for(predicate, timeout: float, what: str, log) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
