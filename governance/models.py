@@ -155,6 +155,7 @@ class Trajectory(models.Model):
         SESSION = "session", "X-Steward-Session header"
         PREFIX = "prefix", "Inferred from the conversation prefix"
         PREVIOUS_RESPONSE = "previous_response", "Responses API previous_response_id"
+        WINDOW = "window", "Inferred from an earlier call's answer in a sliding window"
         NEW = "new", "First call of a conversation"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4)

@@ -5,7 +5,10 @@ Rules, first match wins:
 2. Responses API `previous_response_id` naming a response this proxy saw       ("previous_response")
 3. Chat completions: the longest strict prefix of the request's messages that is a known
    conversation state, and is a *continuation* of it                           ("prefix")
-4. Otherwise a new uuid4                                                       ("new")
+4. Chat completions: the request carries an earlier call's last message and the answer to it,
+   with something after them, but not that call's whole history: a sliding window
+   dropped the oldest messages                                                 ("window")
+5. Otherwise a new uuid4                                                       ("new")
 
 Chat prefix matching. After each exchange the index stores, per (tenant, agent), two
 conversation states: H(request messages) and H(request messages + returned assistant message).
@@ -22,6 +25,17 @@ cosmetic differences — `content: null` vs missing, text parts vs a string, ext
 `refusal`, `annotations` or `reasoning_content` that SDKs add when echoing an answer back — do not
 break matching. The index is a bounded LRU per (tenant, agent); when two conversations reach an
 identical state, the later one wins.
+
+Sliding windows (rule 4). An agent that keeps its context under a budget by dropping the oldest
+messages, the first user message included (LangChain's `trim_messages(strategy="last")`, many
+memory-bounded agents), sends requests that no stored state is a prefix of. After each answered
+exchange the index also stores T(last request message, answer) -> trajectory; a request whose
+prefix matched nothing is looked up by the pair ending at each of its newest assistant messages
+(at most WINDOW_LOOKBACK of them, newest first), with at least one message after the pair.
+Tool-call answers carry their call ids, so the pair names one conversation; two conversations
+whose same user message got the same plain-text answer, both seen through a window, are merged
+(the later one wins, as for identical states). A window that keeps the first user message is
+still rule 3: the first call's state is a prefix of every later request.
 """
 
 from __future__ import annotations
@@ -36,7 +50,11 @@ import orjson
 from wire.ids import new_id, session_trajectory_id
 from wire.openai import message_text
 
-SESSION, PREFIX, PREVIOUS_RESPONSE, NEW = "session", "prefix", "previous_response", "new"
+SESSION, PREFIX, PREVIOUS_RESPONSE, WINDOW, NEW = (
+    "session", "prefix", "previous_response", "window", "new")
+# Rule 4 looks at this many of a request's newest assistant messages (a window keeps the last
+# answers; one beyond these is an older conversation's, not this call's previous one).
+WINDOW_LOOKBACK = 4
 
 Scope = tuple[int, int]  # (tenant id, agent id)
 
@@ -94,6 +112,12 @@ def is_assistant(message: Any) -> bool:
     return isinstance(message, dict) and message.get("role") == "assistant"
 
 
+def tail_key(before: Any, answer: Any) -> bytes:
+    """Rule 4's key: an exchange's last request message and the answer to it."""
+    return hashlib.blake2b(b"tail" + canonical_message(before) + canonical_message(answer),
+                           digest_size=16).digest()
+
+
 class TrajectoryIndex:
     """Per (tenant, agent) LRU maps: conversation-state hash -> (trajectory id, answered?) and
     Responses-API response id -> trajectory id. Used from the event loop only (no locking)."""
@@ -101,6 +125,7 @@ class TrajectoryIndex:
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
         self._states: dict[Scope, OrderedDict[bytes, tuple[str, bool]]] = {}
+        self._tails: dict[Scope, OrderedDict[bytes, str]] = {}
         self._responses: dict[Scope, OrderedDict[str, str]] = {}
 
     @staticmethod
@@ -127,6 +152,26 @@ class TrajectoryIndex:
                 return trajectory_id
         return None
 
+    def find_window(self, scope: Scope, messages: list[Any]) -> str | None:
+        """Rule 4: the trajectory whose answered exchange this request carries (its last
+        request message, then the answer) with something after it."""
+        table = self._tails.get(scope)
+        if not table:
+            return None
+        looked = 0
+        for j in range(len(messages) - 2, 0, -1):  # the newest answer first
+            if not is_assistant(messages[j]):
+                continue
+            key = tail_key(messages[j - 1], messages[j])
+            hit = table.get(key)
+            if hit is not None:
+                table.move_to_end(key)
+                return hit
+            looked += 1
+            if looked >= WINDOW_LOOKBACK:
+                break
+        return None
+
     def record_chat(self, scope: Scope, messages: list[Any], answer: dict | None,
                     trajectory_id: str, hashes: list[bytes] | None = None) -> None:
         if not messages:
@@ -137,6 +182,8 @@ class TrajectoryIndex:
         if answer is not None:
             self._put(table, extend_hash(hashes[-1], answer), (trajectory_id, True),
                       self.max_entries)
+            self._put(self._tails.setdefault(scope, OrderedDict()),
+                      tail_key(messages[-1], answer), trajectory_id, self.max_entries)
 
     # -- responses API ------------------------------------------------------------------
     def find_response(self, scope: Scope, response_id: str) -> str | None:
@@ -161,6 +208,9 @@ def decide(index: TrajectoryIndex, scope: Scope, endpoint: str, body: Any,
                 found = index.find_continuation(scope, messages, hashes)
                 if found:
                     return Decision(found, PREFIX)
+                found = index.find_window(scope, messages)
+                if found:
+                    return Decision(found, WINDOW)
         elif endpoint == "responses":
             previous = body.get("previous_response_id")
             if isinstance(previous, str):

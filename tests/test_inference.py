@@ -11,6 +11,8 @@ from proxy.inference import (
     PREFIX,
     PREVIOUS_RESPONSE,
     SESSION,
+    WINDOW,
+    WINDOW_LOOKBACK,
     TrajectoryIndex,
     canonical_message,
     decide,
@@ -207,3 +209,64 @@ def test_new_id_is_a_canonical_random_uuid4():
         parsed = uuid.UUID(text)
         assert str(parsed) == text and parsed.version == 4 and parsed.variant == uuid.RFC_4122
 
+
+
+def _tool_turn(conversation: str, k: int) -> tuple[dict, dict]:
+    """Call k's answer (a tool call with its own id, as models give) and the tool's result."""
+    call_id = f"call_{conversation}_{k}"
+    answer = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function",
+         "function": {"name": "lookup", "arguments": f'{{"page": {k}}}'}}]}
+    return answer, {"role": "tool", "tool_call_id": call_id, "content": f"page {k} of notes"}
+
+
+def _windowed_session(index, conversation: str, calls: int, keep: int) -> list:
+    """An agent that sends its system prompt and only its last `keep` messages (the first user
+    message dropped once the window is full, as trim_messages(strategy="last") does); each
+    call's answer is learnt as the proxy learns it. Returns each call's decision."""
+    history: list[dict] = [{"role": "user", "content": f"Summarise the notes of {conversation}"}]
+    decisions = []
+    for k in range(calls):
+        request = [SYSTEM, *history[-keep:]]
+        decision = chat(index, request)
+        decisions.append(decision)
+        answer, result = _tool_turn(conversation, k)
+        index.record_chat(SCOPE, request, answer, decision.trajectory_id)
+        history += [answer, result]
+    return decisions
+
+
+def test_a_sliding_window_that_drops_the_first_user_message_stays_one_trajectory():
+    index = TrajectoryIndex()
+    decisions = _windowed_session(index, "acme", calls=12, keep=4)
+    assert {d.trajectory_id for d in decisions} == {decisions[0].trajectory_id}
+    sources = [d.source for d in decisions]
+    # Until the window is full the history still extends the first request (rule 3).
+    assert sources == [NEW, PREFIX] + [WINDOW] * 10
+
+
+def test_two_windowed_conversations_of_one_agent_stay_apart():
+    index = TrajectoryIndex()
+    first = _windowed_session(index, "acme", calls=8, keep=4)
+    second = _windowed_session(index, "globex", calls=8, keep=4)
+    assert len({d.trajectory_id for d in first}) == 1
+    assert len({d.trajectory_id for d in second}) == 1
+    assert first[0].trajectory_id != second[0].trajectory_id
+
+
+def test_a_window_needs_something_after_the_answer_and_looks_at_recent_answers_only():
+    index = TrajectoryIndex()
+    request = [SYSTEM, {"role": "user", "content": "hello"}]
+    answer, result = _tool_turn("x", 0)
+    index.record_chat(SCOPE, request, answer, "t-window")
+    # The exchange re-sent without the system prompt, ending at the answer: nothing new
+    # after it, so not a continuation.
+    assert chat(index, [{"role": "user", "content": "hello"}, answer]).source == NEW
+    assert chat(index, [{"role": "user", "content": "hello"}, answer, result]).trajectory_id \
+        == "t-window"
+    # Behind more than WINDOW_LOOKBACK newer answers nobody recorded, it is not looked for.
+    later: list[dict] = []
+    for k in range(1, WINDOW_LOOKBACK + 1):
+        later += list(_tool_turn("y", k))
+    assert chat(index, [request[1], answer, result, *later]).source == NEW
+    assert chat(index, [request[1], answer, result, *later[2:]]).trajectory_id == "t-window"

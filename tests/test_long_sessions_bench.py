@@ -79,6 +79,27 @@ def test_a_window_drops_the_oldest_turns_after_the_first(monkeypatch):
     assert [request_messages(turns, k, "session") for k in range(12)] == whole
 
 
+def test_a_sliding_window_drops_the_first_user_message_too(monkeypatch):
+    """--window-drops-first: once the window is full a call keeps the system prompt and the
+    newest turns only; before that it is the whole history."""
+    import tests.bench.long_sessions as bench
+
+    turns = script(7, 12, 2048)
+    whole = [request_messages(turns, k, "session") for k in range(12)]
+    monkeypatch.setattr(bench, "WINDOW_KB", 10)
+    monkeypatch.setattr(bench, "WINDOW_DROPS_FIRST", True)
+    dropped = 0
+    for k in range(12):
+        sent = request_messages(turns, k, "session")
+        assert sent[0] == whole[k][0] and sent[-2:] == whole[k][-2:]
+        if sent != whole[k]:
+            dropped += 1
+            assert turns[0][0] not in sent  # the first user message went too
+            assert sent[1:] == [m for t in turns[:k + 1] for m in t][-(len(sent) - 1):]
+            assert message_bytes(sent) <= 10 * 1024
+    assert dropped >= 6
+
+
 def test_the_presidio_research_corpus_gives_the_new_content():
     """--corpus presidio-research: the user message and every tool result are that corpus's
     texts, consecutive across the session (none repeated), sized as --new-kb asks."""

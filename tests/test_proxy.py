@@ -138,6 +138,35 @@ def test_tool_call_continuation_keeps_the_trajectory(steward_proxy, proxy_key):
     assert other.headers["x-steward-trajectory"] != first.headers["x-steward-trajectory"]
 
 
+def test_a_sliding_window_that_dropped_the_first_message_keeps_the_trajectory(
+        steward_proxy, proxy_key):
+    """Proxy inference rule 4 through the real proxy and the official client: the third call
+    drops the first user message (its window is full), so no earlier request is a prefix of
+    it, but it carries the second call's tool result and the answer to it."""
+    client = client_for(steward_proxy, proxy_key.secret)
+    system = {"role": "system", "content": "You are a calculator."}
+    user = {"role": "user", "content": "what is 6*7?"}
+    first = client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=[system, user], tools=TOOLS)
+    answer = first.parse().choices[0].message
+    result = {"role": "tool", "tool_call_id": answer.tool_calls[0].id, "content": "42"}
+    second = client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=[system, user, answer.model_dump(), result], tools=TOOLS)
+    window = [system, answer.model_dump(), result, second.parse().choices[0].message.model_dump(),
+              {"role": "user", "content": "and 8*9?"}]
+    third = client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=window, tools=TOOLS)
+    trajectory = first.headers["x-steward-trajectory"]
+    assert second.headers["x-steward-trajectory"] == trajectory
+    assert third.headers["x-steward-trajectory"] == trajectory
+    assert steward_proxy.wait_for_record(third.headers["x-steward-step"])[
+        "trajectory_source"] == "window"
+    # The window alone, nothing after the answer: not a continuation.
+    again = client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=window[:4], tools=TOOLS)
+    assert again.headers["x-steward-trajectory"] != trajectory
+
+
 def test_streamed_answer_is_learned_for_inference(steward_proxy, proxy_key):
     client = client_for(steward_proxy, proxy_key.secret)
     messages = [{"role": "user", "content": "hello there"}]

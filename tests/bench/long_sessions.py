@@ -50,6 +50,9 @@ in their system prompt); in every mode.
 `--window-kb K` keeps a session's requests under K KB of messages: past that, each call drops the
 oldest turns after the first user message (coding and support agents that keep a context budget
 send this), so every call's history is a truncation of the previous one's, not an extension.
+`--window-drops-first` makes it a pure sliding window: the first user message goes too once the
+window is full (LangChain's trim_messages(strategy="last")), so without X-Steward-Session no
+stored conversation state is a prefix of a later call (`--inferred`: proxy inference rule 4).
 `--repeat N` runs each shape's modes N times (each repetition's modes back to back, in turn
 first) and shows the repetition whose session / one-off time ratio is the median, printing every
 repetition's ratio: on two cores shared by the agent, the proxy, the shipper and the worker, the
@@ -365,8 +368,10 @@ def system_message(k: int) -> dict:
     return {"role": "system", "content": content}
 
 
-# --window-kb: a session's requests keep at most this many KB of messages (set by bench()).
+# --window-kb: a session's requests keep at most this many KB of messages (set by bench());
+# --window-drops-first: the first user message is not kept either.
 WINDOW_KB = 0.0
+WINDOW_DROPS_FIRST = False
 
 
 def request_messages(turns: list[list[dict]], k: int, mode: str) -> list[dict]:
@@ -379,13 +384,17 @@ def request_messages(turns: list[list[dict]], k: int, mode: str) -> list[dict]:
         return [system_message(k), *turns[k]]
     first, rest = 1, k + 1
     if WINDOW_KB and k >= first:
-        budget = int(WINDOW_KB * 1024) - message_bytes([system_message(k), *turns[0]])
+        kept = [] if WINDOW_DROPS_FIRST else turns[0]
+        budget = int(WINDOW_KB * 1024) - message_bytes([system_message(k), *kept])
+        floor = 0 if WINDOW_DROPS_FIRST else first
         sizes = [message_bytes(t) for t in turns[:k + 1]]
         start, size = k, sizes[k]
-        while start > first and size + sizes[start - 1] <= budget:
+        while start > floor and size + sizes[start - 1] <= budget:
             start -= 1
             size += sizes[start]
-        return [system_message(k), *turns[0], *[m for t in turns[start:rest] for m in t]]
+        if start == 0:  # everything fits: the first user message is still there
+            return [system_message(k), *[m for t in turns[:rest] for m in t]]
+        return [system_message(k), *kept, *[m for t in turns[start:rest] for m in t]]
     return [system_message(k), *[m for t in turns[:rest] for m in t]]
 
 
@@ -944,9 +953,10 @@ def median_repetition(repeats: dict[str, list[dict]]) -> int:
 
 def bench(args: argparse.Namespace) -> dict:
     """Every shape and mode through one appliance; the figures as a dict."""
-    global CLOCK_IN_SYSTEM, WINDOW_KB
+    global CLOCK_IN_SYSTEM, WINDOW_KB, WINDOW_DROPS_FIRST
     CLOCK_IN_SYSTEM = args.clock_in_system  # read by system_message, in every mode
     WINDOW_KB = args.window_kb  # read by request_messages, in the session modes
+    WINDOW_DROPS_FIRST = args.window_drops_first
     server = args.pg
     broker = args.redis
     require_services(server, broker)
@@ -1018,6 +1028,7 @@ def bench(args: argparse.Namespace) -> dict:
         restarts = app.worker_restarts_s
     return {"corpus": args.corpus, "stream": args.stream,
             "clock_in_system": args.clock_in_system, "window_kb": args.window_kb,
+            "window_drops_first": args.window_drops_first,
             "shapes": shapes, "failed": failed,
             "warmup_s": warmup_s,
             "worker_restart_s": (round(statistics.mean(restarts), 1) if restarts else None),
@@ -1238,6 +1249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "oldest turns after the first user message are dropped, as agents "
                          "that keep their context under a budget do (every call past the "
                          "window is a truncated history; default 0: the whole history)")
+    ap.add_argument("--window-drops-first", action="store_true",
+                    help="with --window-kb: a pure sliding window, the first user message is "
+                         "dropped too once the window is full (no stored state is then a "
+                         "prefix of a later call: what --inferred must recognise)")
     ap.add_argument("--paced-shape", type=int, default=None,
                     help="run this shape's sessions once more, paced below the sustained rate "
                          "just measured, for the lag p95 at that rate (default 60 when 60 is "
@@ -1281,6 +1296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--shapes: session lengths of at least 2 calls")
     if args.repeat < 1:
         ap.error("--repeat: at least 1")
+    if args.window_drops_first and not args.window_kb:
+        ap.error("--window-drops-first needs --window-kb")
     args.sessions = args.sessions or (1 if args.quick else 2)
     args.new_kb = args.new_kb or (1.0 if args.quick else 3.0)
     if args.paced_shape is None:
@@ -1294,8 +1311,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def window_note(window_kb: float) -> str:
-    return f", a {window_kb:g} KB window" if window_kb else ""
+def window_note(window_kb: float, drops_first: bool = False) -> str:
+    if not window_kb:
+        return ""
+    return f", a {window_kb:g} KB {'sliding ' if drops_first else ''}window"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1307,7 +1326,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {result['load_avg_1m']}, corpus {result['corpus']}"
           f"{', streamed' if result['stream'] else ''}"
           f"{', the clock in the system prompt' if result['clock_in_system'] else ''}"
-          f"{window_note(result['window_kb'])}")
+          f"{window_note(result['window_kb'], result.get('window_drops_first', False))}")
     for line in result["failed"]:
         print(f"FAILED: {line}")
     print(json.dumps(result))
