@@ -119,8 +119,9 @@ def tail_key(before: Any, answer: Any) -> bytes:
 
 
 class TrajectoryIndex:
-    """Per (tenant, agent) LRU maps: conversation-state hash -> (trajectory id, answered?) and
-    Responses-API response id -> trajectory id. Used from the event loop only (no locking)."""
+    """Per (tenant, agent) LRU maps: conversation-state hash -> (trajectory id, answered?),
+    last exchange (tail_key) -> trajectory id (rule 4) and Responses-API response id ->
+    trajectory id. Used from the event loop only (no locking)."""
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
