@@ -786,8 +786,9 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         asked = dict(pending.filter(interaction_id__in=pks).values_list("interaction_id",
                                                                         "trajectory_id"))
         waiting_calls: dict[Any, int] = {}
-        if split and len(set(asked.values())) > 1:
-            # What coalescing would look at: the tenant's oldest waiting calls.
+        if split and asked:
+            # What coalescing would look at: the tenant's oldest waiting calls (a task asked
+            # for one session's call still coalesces an older session's otherwise).
             waiting_calls = Counter(pending.order_by("interaction_id").values_list(
                 "trajectory_id", flat=True)[:BATCH_MAX])
         plan = BatchPlan(wait=wait, split=split, waiting=waiting_calls)

@@ -220,6 +220,32 @@ def test_a_worker_behind_two_sessions_leaves_the_second_to_another_task(
     assert not Step.objects.filter(trajectory_id=second).exists()
 
 
+def test_a_task_for_one_session_does_not_coalesce_an_older_waiting_session(
+        tenant, agent, tmp_path, monkeypatch):
+    """Asked for the newest call of one session while an older session has six calls waiting,
+    a worker's batch builds its own session's waiting calls and leaves the older session to
+    the tasks the shipper gave it (another worker builds it meanwhile)."""
+    from governance.capture.shipper import ship_once
+    from governance.tasks import build_group, build_steps
+    from tests.pipeline import write_records
+
+    older, newer = str(uuid.uuid4()), str(uuid.uuid4())
+    t0 = time.time() - 60
+    records = [make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + 20 * k + i,
+                           request={"model": "m", "messages": [
+                               {"role": "user", "content": f"Question {i} of {k}"}]},
+                           response=chat_response(f"Answer {i}"))
+               for k, traj in enumerate((older, newer)) for i in range(6)]
+    write_records(tmp_path, records)
+    ship_once(tmp_path, enqueue=lambda ids: None)
+    ids = {traj: sorted(Interaction.objects.filter(trajectory_id=traj)
+                        .values_list("pk", flat=True)) for traj in (older, newer)}
+    monkeypatch.setattr(build_steps, "apply_async", lambda *a, **k: None)
+    done = build_group(tenant.pk, ids[newer][-1:], split=True)
+    assert sorted(done["built"] + done["coalesced"]) == ids[newer]
+    assert not Step.objects.filter(trajectory_id=older).exists()
+
+
 def _wait_for(predicate, timeout: float, what: str, log) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
