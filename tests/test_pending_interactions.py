@@ -191,26 +191,36 @@ def test_a_backlog_of_two_sessions_is_split_even_when_few_of_their_calls_were_as
     assert (sorted(take), busy, split) == ([1, 2, 3, 4, 5], [], [])
 
 
+def _shipped_sessions(tenant, agent, tmp_path, calls: int, interleaved: bool
+                      ) -> tuple[tuple[str, str], dict[str, list[int]]]:
+    """Two sessions of `calls` calls each, shipped (pending, nothing built): their calls
+    alternate (`interleaved`, two agents sending at once) or the first session's all come
+    first. Returns the two trajectory ids and each one's interaction ids in call order."""
+    from governance.capture.shipper import ship_once
+    from tests.pipeline import write_records
+
+    trajectories = (str(uuid.uuid4()), str(uuid.uuid4()))
+    t0 = time.time() - 60
+    records = [make_record(tenant.pk, agent.pk, trajectory_id=traj,
+                           t=t0 + (2 * i + k if interleaved else calls * k + i),
+                           request={"model": "m", "messages": [
+                               {"role": "user", "content": f"Question {i} of {k}"}]},
+                           response=chat_response(f"Answer {i}"))
+               for k, traj in enumerate(trajectories) for i in range(calls)]
+    write_records(tmp_path, sorted(records, key=lambda r: r["t_request"]))
+    ship_once(tmp_path, enqueue=lambda ids: None)
+    return trajectories, {traj: sorted(Interaction.objects.filter(trajectory_id=traj)
+                                       .values_list("pk", flat=True)) for traj in trajectories}
+
+
 def test_a_worker_behind_two_sessions_leaves_the_second_to_another_task(
         tenant, agent, tmp_path, monkeypatch):
     """build_group as a worker's task runs it: asked for the first two calls of each of two
     sessions while eight of each wait, it builds the first session's eight (coalescing) and
     hands the second session's calls to a task of its own, at once."""
-    from governance.capture.shipper import ship_once
     from governance.tasks import build_group, build_steps
-    from tests.pipeline import write_records
 
-    first, second = str(uuid.uuid4()), str(uuid.uuid4())
-    t0 = time.time() - 60
-    records = [make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + 2 * i + k,
-                           request={"model": "m", "messages": [
-                               {"role": "user", "content": f"Question {i} of {k}"}]},
-                           response=chat_response(f"Answer {i}"))
-               for i in range(8) for k, traj in enumerate((first, second))]
-    write_records(tmp_path, records)
-    ship_once(tmp_path, enqueue=lambda ids: None)
-    ids = {traj: sorted(Interaction.objects.filter(trajectory_id=traj)
-                        .values_list("pk", flat=True)) for traj in (first, second)}
+    (first, second), ids = _shipped_sessions(tenant, agent, tmp_path, calls=8, interleaved=True)
     asked: list[tuple] = []
     monkeypatch.setattr(build_steps, "apply_async",
                         lambda args, kwargs=None, **options: asked.append(args))
@@ -225,21 +235,10 @@ def test_a_task_for_one_session_does_not_coalesce_an_older_waiting_session(
     """Asked for the newest call of one session while an older session has six calls waiting,
     a worker's batch builds its own session's waiting calls and leaves the older session to
     the tasks the shipper gave it (another worker builds it meanwhile)."""
-    from governance.capture.shipper import ship_once
     from governance.tasks import build_group, build_steps
-    from tests.pipeline import write_records
 
-    older, newer = str(uuid.uuid4()), str(uuid.uuid4())
-    t0 = time.time() - 60
-    records = [make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + 20 * k + i,
-                           request={"model": "m", "messages": [
-                               {"role": "user", "content": f"Question {i} of {k}"}]},
-                           response=chat_response(f"Answer {i}"))
-               for k, traj in enumerate((older, newer)) for i in range(6)]
-    write_records(tmp_path, records)
-    ship_once(tmp_path, enqueue=lambda ids: None)
-    ids = {traj: sorted(Interaction.objects.filter(trajectory_id=traj)
-                        .values_list("pk", flat=True)) for traj in (older, newer)}
+    (older, newer), ids = _shipped_sessions(tenant, agent, tmp_path, calls=6,
+                                            interleaved=False)
     monkeypatch.setattr(build_steps, "apply_async", lambda *a, **k: None)
     done = build_group(tenant.pk, ids[newer][-1:], split=True)
     assert sorted(done["built"] + done["coalesced"]) == ids[newer]
