@@ -42,9 +42,10 @@ import gc
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 from celery import shared_task
@@ -86,7 +87,7 @@ from governance.capture.steps import (
     parse_exchange,
 )
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
-from governance.keyring import content_hasher, subject_hash
+from governance.keyring import content_hasher, subject_hasher
 from governance.models import (
     Consent,
     ConversationItem,
@@ -526,8 +527,8 @@ def _plan_history(write: _StepWrite, result: Sanitized, fields: dict,
 
 
 def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, TrajectoryItems],
-                new_items: dict[tuple[Any, str], NewItem], version: str
-                ) -> list[tuple[Interaction, str]]:
+                new_items: dict[tuple[Any, str], NewItem], version: str,
+                hash_subject: Callable[[str], str]) -> list[tuple[Interaction, str]]:
     """Store the conversation items the batch's steps reference that are not stored yet (one
     INSERT; an item another worker stored meanwhile is read back, not duplicated), each with
     its findings and subject-index rows on the first step carrying it; then fill each step's
@@ -570,7 +571,7 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         item_id = known[key[0]].ids[key[1]]
         ia = w.interaction
         w.findings.extend(packed_rows(ia.tenant_id, ia.step_id, item.findings, version, item_id))
-        w.index_rows.extend(_index_rows(ia, item.identifiers, item_id))
+        w.index_rows.extend(_index_rows(ia, item.identifiers, hash_subject, item_id))
     for w in writes:
         _drop_covered_keys(w)
     # A step holding an item the database refused (a value jsonb cannot store, e.g. \u0000)
@@ -659,11 +660,23 @@ def _insert_items(rows: dict[tuple[Any, str], ConversationItem]
     return inserted, refused
 
 
+def _batch_subject_hashes(tenant_id: int) -> Callable[[str], str]:
+    """keyring.subject_hash for one tenant, each value hashed once per batch. A session's
+    calls each carry the identifiers of every message they resend (`Sanitized.carried`, for
+    the erasure check), so a batch of one session's calls hashed the same values again and
+    again: 52,254 hashes (one HKDF derivation each) for 210 calls of a 100 KB window
+    (`python -m tests.bench.step_cpu` with long_sessions.WINDOW_KB = 100, --profile). Kept
+    for one batch only: no hash outlives the master key it was made with."""
+    return cache(subject_hasher(tenant_id))
+
+
 def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
+                hash_subject: Callable[[str], str],
                 item_id: int | None = None) -> list[SubjectIndex]:
     """The subject-index row (none or one) of the identifiers found in a step — or in a
-    conversation item: bound to the item then, not to the step (see SubjectIndex)."""
-    hashes = sorted({subject_hash(ia.tenant_id, value) for _, value in identifiers})
+    conversation item: bound to the item then, not to the step (see SubjectIndex).
+    `hash_subject`: keyring.subject_hash for the interaction's tenant (_BatchSubjectHashes)."""
+    hashes = sorted({hash_subject(value) for _, value in identifiers})
     if not hashes:
         return []
     packed = {"hashes": SubjectIndex.keys(hashes)}
@@ -875,7 +888,8 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         # Erased subjects (governance/erasure.py): an exchange naming one (header, an
         # identifier found in it or in a conversation item it carries) is kept as metadata
         # only — no step, no raw payload.
-        ident_hashes = {ia.pk: {ia.subject_hash} | {subject_hash(ia.tenant_id, v)
+        hash_subject = _batch_subject_hashes(tenant_id)
+        ident_hashes = {ia.pk: {ia.subject_hash} | {hash_subject(v)
                                                     for _, v in r.identifiers + r.carried}
                         for ia, r in sanitized}
         suppressed = suppressed_hashes(tenant_id, set().union(*ident_hashes.values()))
@@ -926,11 +940,12 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
             )
             compact_step_json(write.step, whole)
             write.findings.extend(packed_rows(ia.tenant_id, ia.step_id, result.findings, version))
-            write.index_rows.extend(_index_rows(ia, result.identifiers))
+            write.index_rows.extend(_index_rows(ia, result.identifiers, hash_subject))
             row = _header_row(ia, ia.step_id)
             if row is not None:
                 write.index_rows.append(row)
-        for ia, reason in _link_items(tenant_id, writes, known, new_items, version):
+        for ia, reason in _link_items(tenant_id, writes, known, new_items, version,
+                                      hash_subject):
             quarantine(ia, reason)
         clock.lap("fields")
 
