@@ -268,6 +268,9 @@ STEWARD_ROLLOUT_ENGINES = os.environ.get("STEWARD_ROLLOUT_ENGINES", "")
 STEWARD_TRAIN_STALE_SECONDS = env_int("STEWARD_TRAIN_STALE_SECONDS", 900)
 # Load the sanitizer when a worker starts (governance/tasks.py); 0 defers it to the first batch.
 STEWARD_SANITIZER_PRELOAD = env_bool("STEWARD_SANITIZER_PRELOAD", True)
+# CPU priority the workers yield to the proxy and the console (os.nice increment when a worker
+# starts, decision 53): background building catches up once the cores are free. 0: none.
+STEWARD_WORKER_NICE = env_int("STEWARD_WORKER_NICE", 10)
 
 LOGGING = {
     "version": 1,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -161,6 +162,26 @@ _WARM_UP_BODY = {"model": "warm-up", "messages": [
                                           '"warm-up-not-a-secret"}'}}]},
     {"role": "tool", "tool_call_id": "call_1",
      "content": '{"iban": "GB82 WEST 1234 5698 7654 32", "card": "4111 1111 1111 1111"}'}]}
+
+
+@worker_init.connect
+def _yield_cpu(**_: Any) -> None:
+    """Lower the worker's CPU priority (STEWARD_WORKER_NICE) before it loads anything or forks
+    its pool, whose processes inherit it. On a host that also runs the proxy, a worker building
+    steps competed with the proxy for the cores while agents were sending, so each call waited
+    on the worker's NER pass; building is background work that catches up once the cores are
+    free (decision 53). Connected before the preload below, so loading spaCy yields too."""
+    increment = settings.STEWARD_WORKER_NICE
+    if increment <= 0:
+        return
+    try:
+        now = os.nice(increment)
+    except OSError as exc:  # a platform or sandbox without it: the worker runs as it was
+        log.warning("worker: CPU priority not lowered (STEWARD_WORKER_NICE=%d): %s",
+                    increment, exc)
+        return
+    log.info("worker: CPU priority lowered to nice %d, so the proxy and the console go first "
+             "(STEWARD_WORKER_NICE=%d)", now, increment)
 
 
 @worker_init.connect

@@ -4,6 +4,7 @@ as the shipper inserted it — no new row version, no new index entries."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -250,6 +251,24 @@ def _wait_for(predicate, timeout: float, what: str, log) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"{what}:\n{log.read_text()[-4000:]}"
         time.sleep(0.25)
+
+
+def test_a_real_worker_builds_at_a_lower_cpu_priority_than_the_proxy(transactional_db,
+                                                                     tmp_path):
+    """Decision 53: a real worker lowers its CPU priority by STEWARD_WORKER_NICE as it starts,
+    so a proxy on the same host goes first when the cores are busy; 0 leaves it as started."""
+    from tests.live import celery_worker
+
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    for asked, expected in (("7", min(ours + 7, 19)), ("0", ours)):
+        log = tmp_path / f"worker-nice-{asked}.log"
+        with celery_worker("capture", log, f"nice-{asked}", STEWARD_WORKER_NICE=asked,
+                           STEWARD_SANITIZER_PRELOAD="0") as worker:
+            _wait_for(lambda path=log: re.search(r"@\S+ ready\.", path.read_text()), 120,
+                      "the worker did not start", log)
+            assert os.getpriority(os.PRIO_PROCESS, worker.pid) == expected
+        lowered = re.search(r"CPU priority lowered to nice (\d+)", log.read_text())
+        assert (int(lowered[1]) if lowered else ours) == expected, log.read_text()[-2000:]
 
 
 def test_a_real_worker_defers_a_busy_session_and_splits_off_the_next(transactional_db, tmp_path):
