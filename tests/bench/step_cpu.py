@@ -2,7 +2,7 @@
 parse, sanitize, write) per step, measured with time.process_time, with an optional cProfile.
 
     .venv/bin/python -m tests.bench.step_cpu [--calls 300] [--sessions 4] [--session-calls 20]
-        [--batch 25] [--baseline /path/to/other/checkout] [--rounds 1]
+        [--window-kb 0] [--batch 25] [--baseline /path/to/other/checkout] [--rounds 1]
         [--profile [--sort tottime] [--top 40] [--pstats FILE]]
 
 The load: `--calls` distinct one-off calls of the sanitizer evaluation corpus
@@ -85,9 +85,11 @@ def _record(rng: random.Random, i: int, tenant_id: int, agent_id: int, endpoint:
 def calls(args: argparse.Namespace) -> list[tuple[str, dict, dict, str]]:
     """(endpoint, request, response, session) of every call, in spool order: the one-off
     corpus calls and the long sessions' calls interleaved (as concurrent agents would)."""
+    from tests.bench import long_sessions
     from tests.bench.corpus import generate
     from tests.bench.long_sessions import assistant_for, request_messages, script
 
+    long_sessions.WINDOW_KB = args.window_kb  # read by request_messages
     cases = generate(2 * args.calls, seed=11)
     oneoff = [(cases[i].endpoint, cases[i].body, cases[i + 1].body, f"c{i // 10}")
               for i in range(0, 2 * args.calls, 2)]
@@ -286,6 +288,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="calls per long session (default 20)")
     ap.add_argument("--new-kb", type=float, default=3.0,
                     help="new content per long-session call, KB (default 3)")
+    ap.add_argument("--window-kb", type=float, default=0,
+                    help="long-session requests carry at most this many KB of messages, the "
+                         "oldest turns after the first user message dropped (long_sessions.py's "
+                         "--window-kb; default 0: the whole history)")
     ap.add_argument("--batch", type=int, default=25,
                     help="interactions per build_group call (default 25: the shipper's batch "
                          "at 50 calls/s and its 0.5 s interval)")
