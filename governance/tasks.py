@@ -686,8 +686,9 @@ def _batch_subject_hashes(tenant_id: int) -> Callable[[str], str]:
     calls each carry the identifiers of every message they resend (`Sanitized.carried`, for
     the erasure check), so a batch of one session's calls hashed the same values again and
     again: 52,254 hashes (one HKDF derivation each) for 210 calls of a 100 KB window
-    (`python -m tests.bench.step_cpu` with long_sessions.WINDOW_KB = 100, --profile). Kept
-    for one batch only: no hash outlives the master key it was made with."""
+    (`python -m tests.bench.step_cpu --calls 0 --sessions 2 --session-calls 105 --window-kb
+    100 --profile`). Kept for one batch only: no hash outlives the master key it was made
+    with."""
     return cache(subject_hasher(tenant_id))
 
 
@@ -696,7 +697,7 @@ def _index_rows(ia: Interaction, identifiers: list[tuple[str, str]],
                 item_id: int | None = None) -> list[SubjectIndex]:
     """The subject-index row (none or one) of the identifiers found in a step — or in a
     conversation item: bound to the item then, not to the step (see SubjectIndex).
-    `hash_subject`: keyring.subject_hash for the interaction's tenant (_BatchSubjectHashes)."""
+    `hash_subject`: keyring.subject_hash for the interaction's tenant (_batch_subject_hashes)."""
     hashes = sorted({hash_subject(value) for _, value in identifiers})
     if not hashes:
         return []
