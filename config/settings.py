@@ -8,20 +8,45 @@ from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("STEWARD_VAR_DIR", BASE_DIR / "var"))
 
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
 def env_bool(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None:
+    """A yes/no setting. Unset or empty keeps the default; anything outside the two spellings
+    is refused rather than read as "no", so a typo such as STEWARD_DEBUG=ture cannot silently
+    switch a safety setting the other way."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
         return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ImproperlyConfigured(
+        f"{name}={os.environ[name]!r} is not a yes/no value: use one of "
+        f"{', '.join(sorted(_TRUE))} or {', '.join(sorted(_FALSE))}"
+    )
 
 
 def env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    """A whole-number setting. Unset or empty keeps the default. A bad value names the variable:
+    int()'s own message ("invalid literal for int()") says neither which one nor where."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"{name}={os.environ[name]!r} is not a whole number (default {default})"
+        ) from None
 
 
 DEBUG = env_bool("STEWARD_DEBUG", False)

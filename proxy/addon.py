@@ -101,14 +101,25 @@ MAX_SESSION_LENGTH = 256  # Trajectory.session_id
 HANDOFF_SECONDS = 0.02
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_number(name: str, default: Any, kind: type) -> Any:
+    """Unset or empty keeps the default; a bad value names the variable, which int()'s and
+    float()'s own messages do not (the proxy refuses to start rather than guess)."""
     value = os.environ.get(name, "").strip()
-    return float(value) if value else default
+    if not value:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        noun = "a whole number" if kind is int else "a number"
+        raise ValueError(f"{name}={value!r} is not {noun} (default {default})") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    return _env_number(name, default, float)
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value else default
+    return _env_number(name, default, int)
 
 
 class Settings:

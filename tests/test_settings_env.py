@@ -5,7 +5,10 @@ proxy/)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,3 +62,42 @@ def test_the_two_settings_that_could_not_be_set_now_can(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(module)
+
+
+def _import_settings_with(extra: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEWARD_")}
+    env.update(extra)
+    return subprocess.run([sys.executable, "-c", "import config.settings"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_bad_number_or_yes_no_names_the_variable_that_holds_it():
+    """A typo in the env file stops the service with the variable's name and value, not with
+    int()'s "invalid literal" (which names neither), and a yes/no typo is refused rather than
+    read as "no" (STEWARD_SECURE_COOKIES=ture used to turn secure cookies off)."""
+    bad_int = _import_settings_with({"STEWARD_WORKER_NICE": "ten"})
+    assert bad_int.returncode != 0
+    assert "ImproperlyConfigured: STEWARD_WORKER_NICE='ten' is not a whole number" in bad_int.stderr
+    bad_bool = _import_settings_with({"STEWARD_SECURE_COOKIES": "ture"})
+    assert bad_bool.returncode != 0
+    assert "STEWARD_SECURE_COOKIES='ture' is not a yes/no value" in bad_bool.stderr
+    # Empty keeps the default (an env file line left as `NAME=`); the spellings still work.
+    fine = _import_settings_with({"STEWARD_WORKER_NICE": "", "STEWARD_SECURE_COOKIES": "Yes",
+                                  "STEWARD_DEBUG": "off"})
+    assert fine.returncode == 0, fine.stderr
+
+
+def test_the_proxy_names_a_bad_number_too():
+    # mitmdump runs addon.py as a script file, so the probe loads it the same way.
+    probe = (
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('a', {str(ROOT / 'proxy/addon.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "m.Settings.from_env()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEWARD_")}
+    env.update(STEWARD_UPSTREAM_TIMEOUT="10m", STEWARD_UPSTREAM_URL="http://127.0.0.1:9")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0
+    assert "STEWARD_UPSTREAM_TIMEOUT='10m' is not a number (default 600.0)" in out.stderr
