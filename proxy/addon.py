@@ -75,8 +75,10 @@ from proxy.inference import (  # noqa: E402
     NEW,
     Decision,
     TrajectoryIndex,
+    canonical_item,
     decide,
     prefix_hashes,
+    responses_items,
 )
 from proxy.keys import KeyInfo, KeyTable  # noqa: E402
 from proxy.paths import PathPolicy  # noqa: E402
@@ -91,7 +93,7 @@ from proxy.spool import SpoolWriter  # noqa: E402
 from wire.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
 from wire.engines import Engine, Engines  # noqa: E402
 from wire.ids import new_id  # noqa: E402
-from wire.openai import chat_answer, response_id  # noqa: E402
+from wire.openai import chat_answer, response_id, responses_output  # noqa: E402
 from wire.rewrite import upstream_parts  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
@@ -597,6 +599,9 @@ class Steward:
                 if endpoint == "chat.completions" and isinstance(body, dict) and isinstance(
                         body.get("messages"), list) and body["messages"]:
                     hashes = prefix_hashes(body["messages"])
+                elif endpoint == "responses" and isinstance(body, dict):
+                    items = responses_items(body)
+                    hashes = prefix_hashes(items, canonical_item) if items else None
             decision = decide(self.index, scope, endpoint, body, admitted.session, hashes)
         except Exception:  # inference is best effort: a new trajectory, still captured
             log.exception("trajectory inference failed for flow %s (tenant %s, agent %s): "
@@ -931,6 +936,12 @@ class Steward:
             rid = response_id(body, is_stream)
             if rid:
                 self.index.record_response(scope, rid, cap.decision.trajectory_id)
+            items = responses_items(req)
+            if items:  # rule 3b: a stateless agent will resend these and the output
+                self.index.record_items(
+                    scope, items, responses_output(body, is_stream),
+                    cap.decision.trajectory_id,
+                    hashes or prefix_hashes(items, canonical_item))
 
 
 addons = [Steward()]

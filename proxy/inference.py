@@ -5,6 +5,8 @@ Rules, first match wins:
 2. Responses API `previous_response_id` naming a response this proxy saw       ("previous_response")
 3. Chat completions: the longest strict prefix of the request's messages that is a known
    conversation state, and is a *continuation* of it                           ("prefix")
+3b. Responses API without `previous_response_id`: the same rule over the `input` items a
+   stateless agent resends (the OpenAI Agents SDK's default, and `store: false`)  ("prefix")
 4. Chat completions: the request carries an earlier call's last message and the answer to it,
    with something after them, but not that call's whole history: a sliding window
    dropped the oldest messages                                                 ("window")
@@ -36,12 +38,25 @@ Tool-call answers carry their call ids, so the pair names one conversation; two 
 whose same user message got the same plain-text answer, both seen through a window, are merged
 (the later one wins, as for identical states). A window that keeps the first user message is
 still rule 3: the first call's state is a prefix of every later request.
+
+Responses API input (rule 3b, decision 54). An agent that does not chain by
+`previous_response_id` resends its whole conversation as `input` items: its messages, the
+model's output items it got back (messages, `function_call`s) and its `function_call_output`s.
+The index hashes those items as it hashes chat messages (`canonical_item`: a message by role and
+text, so `input_text` vs `output_text` parts do not matter; a function call by call id, name and
+arguments; ids and `status` left out, as an echo may drop them) and stores, after each answered
+exchange, H(input) and H(input + the response's output items). Reasoning items are left out on
+both sides: an agent that cannot send them back (no `encrypted_content`, `store: false`) drops
+them, which must not end its trajectory. A request naming state held upstream
+(`previous_response_id`, `conversation`) resends no history and is left to rule 2. Rule 4 stays
+chat-only.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,18 +109,67 @@ def _text(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def prefix_hashes(messages: list[Any]) -> list[bytes]:
+def canonical_item(item: Any) -> bytes:
+    """A Responses API input item as rule 3b hashes it (module docstring)."""
+    if not isinstance(item, dict):
+        return orjson.dumps(["?", str(item)])
+    kind = item.get("type")
+    if kind is None or kind == "message":
+        return canonical_message({"role": item.get("role"), "content": item.get("content")})
+    if kind == "function_call":
+        return orjson.dumps(["function_call", _text(item.get("call_id")),
+                             _text(item.get("name")), _text(item.get("arguments"))])
+    if kind == "function_call_output":
+        output = item.get("output")
+        return orjson.dumps(["function_call_output", _text(item.get("call_id")),
+                             output if isinstance(output, str) else message_text(output)])
+    # Other items (tool calls of built-in tools, item references, ...): their JSON without
+    # what an echo may change. An item_reference's id is what it says, so it stays.
+    kept = {k: v for k, v in item.items()
+            if k != "status" and (k != "id" or kind == "item_reference")}
+    return orjson.dumps([_text(kind), _text(kept)])
+
+
+def responses_items(body: dict) -> list[Any] | None:
+    """The conversation a Responses API request resends, as rule 3b reads it: its `input`
+    items (a string input is one user message), reasoning items left out. None when the
+    request names conversation state held upstream or resends nothing."""
+    if isinstance(body.get("previous_response_id"), str) or body.get("conversation"):
+        return None
+    value = body.get("input")
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}] if value else None
+    if not isinstance(value, list):
+        return None
+    return [item for item in value if not _is_reasoning(item)] or None
+
+
+def _is_reasoning(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") == "reasoning"
+
+
+def is_model_item(item: Any) -> bool:
+    """Whether a Responses input item is one the model produced (an echoed output item)."""
+    if not isinstance(item, dict):
+        return False
+    kind = item.get("type")
+    return item.get("role") == "assistant" or (isinstance(kind, str) and kind.endswith("_call"))
+
+
+def prefix_hashes(messages: list[Any],
+                  canonical: Callable[[Any], bytes] = canonical_message) -> list[bytes]:
     """h[k-1] is the hash of messages[:k], for k = 1..len(messages)."""
     out: list[bytes] = []
     h = b""
     for message in messages:
-        h = hashlib.blake2b(h + canonical_message(message), digest_size=16).digest()
+        h = hashlib.blake2b(h + canonical(message), digest_size=16).digest()
         out.append(h)
     return out
 
 
-def extend_hash(prev: bytes, message: Any) -> bytes:
-    return hashlib.blake2b(prev + canonical_message(message), digest_size=16).digest()
+def extend_hash(prev: bytes, message: Any,
+                canonical: Callable[[Any], bytes] = canonical_message) -> bytes:
+    return hashlib.blake2b(prev + canonical(message), digest_size=16).digest()
 
 
 def is_assistant(message: Any) -> bool:
@@ -138,7 +202,10 @@ class TrajectoryIndex:
 
     # -- chat completions ---------------------------------------------------------------
     def find_continuation(self, scope: Scope, messages: list[Any],
-                          hashes: list[bytes] | None = None) -> str | None:
+                          hashes: list[bytes] | None = None,
+                          is_answer: Callable[[Any], bool] = is_assistant) -> str | None:
+        """Rule 3 over chat messages, or (with `hashes` of `canonical_item` and
+        `is_answer=is_model_item`) rule 3b over Responses input items."""
         table = self._states.get(scope)
         if not table or len(messages) < 2:
             return None
@@ -148,7 +215,7 @@ class TrajectoryIndex:
             if hit is None:
                 continue
             trajectory_id, answered = hit
-            if answered or is_assistant(messages[k]):
+            if answered or is_answer(messages[k]):
                 table.move_to_end(hashes[k - 1])
                 return trajectory_id
         return None
@@ -187,6 +254,22 @@ class TrajectoryIndex:
                       tail_key(messages[-1], answer), trajectory_id, self.max_entries)
 
     # -- responses API ------------------------------------------------------------------
+    def record_items(self, scope: Scope, items: list[Any], output: list[Any] | None,
+                     trajectory_id: str, hashes: list[bytes] | None = None) -> None:
+        """Rule 3b's states after an answered Responses call: H(input items) and
+        H(input items + the response's output items, reasoning left out)."""
+        if not items:
+            return
+        table = self._states.setdefault(scope, OrderedDict())
+        hashes = hashes if hashes is not None else prefix_hashes(items, canonical_item)
+        self._put(table, hashes[-1], (trajectory_id, False), self.max_entries)
+        answer = [item for item in output or () if not _is_reasoning(item)]
+        if answer:
+            h = hashes[-1]
+            for item in answer:
+                h = extend_hash(h, item, canonical_item)
+            self._put(table, h, (trajectory_id, True), self.max_entries)
+
     def find_response(self, scope: Scope, response_id: str) -> str | None:
         table = self._responses.get(scope)
         return table.get(response_id) if table else None
@@ -218,4 +301,11 @@ def decide(index: TrajectoryIndex, scope: Scope, endpoint: str, body: Any,
                 found = index.find_response(scope, previous)
                 if found:
                     return Decision(found, PREVIOUS_RESPONSE)
+            items = responses_items(body)
+            if items:
+                found = index.find_continuation(
+                    scope, items, hashes if hashes is not None else prefix_hashes(
+                        items, canonical_item), is_answer=is_model_item)
+                if found:
+                    return Decision(found, PREFIX)
     return Decision(new_id(), NEW)

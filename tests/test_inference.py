@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 import orjson
 
@@ -13,13 +14,16 @@ from proxy.inference import (
     SESSION,
     WINDOW,
     WINDOW_LOOKBACK,
+    Decision,
     TrajectoryIndex,
+    canonical_item,
     canonical_message,
     decide,
     prefix_hashes,
+    responses_items,
 )
 from wire.ids import STEWARD_NAMESPACE, new_id, session_trajectory_id
-from wire.openai import chat_answer, message_text, response_id
+from wire.openai import chat_answer, message_text, response_id, responses_output
 from wire.sse import data_payloads
 
 SCOPE = (1, 2)
@@ -270,3 +274,121 @@ def test_a_window_needs_something_after_the_answer_and_looks_at_recent_answers_o
         later += list(_tool_turn("y", k))
     assert chat(index, [request[1], answer, result, *later]).source == NEW
     assert chat(index, [request[1], answer, result, *later[2:]]).trajectory_id == "t-window"
+
+
+# --- rule 3b: Responses API agents that resend their input (decision 54) ---------------------
+
+def responses(index, body, scope=SCOPE):
+    return decide(index, scope, "responses", body, None)
+
+
+def _stateless_responses_session(index, conversation: str, calls: int,
+                                 echo: Callable[[dict], dict | None] = lambda item: item):
+    """An agent on the Responses API without previous_response_id (the Agents SDK's default,
+    `store: false`): each call resends the input so far plus what the model output (passed
+    through `echo`, as the agent re-serialises it) and a tool result. Returns the decisions."""
+    items: list[dict] = [{"role": "user", "content": [
+        {"type": "input_text", "text": f"Summarise the notes of {conversation}"}]}]
+    decisions = []
+    for k in range(calls):
+        body = {"model": "m", "input": [dict(i) for i in items], "store": False}
+        decision = responses(index, body)
+        decisions.append(decision)
+        call_id = f"call_{conversation}_{k}"
+        output = [
+            {"type": "reasoning", "id": f"rs_{k}", "summary": [],
+             "encrypted_content": f"opaque-{conversation}-{k}"},
+            {"type": "message", "id": f"msg_{k}", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": f"Reading page {k}.",
+                          "annotations": []}]},
+            {"type": "function_call", "id": f"fc_{k}", "status": "completed",
+             "call_id": call_id, "name": "lookup", "arguments": f'{{"page": {k}}}'},
+        ]
+        index.record_items(SCOPE, responses_items(body), output, decision.trajectory_id)
+        items += [e for e in map(echo, output) if e is not None]
+        items.append({"type": "function_call_output", "call_id": call_id,
+                      "output": f"page {k} of notes"})
+    return decisions
+
+
+def test_a_stateless_responses_session_stays_one_trajectory():
+    index = TrajectoryIndex()
+    decisions = _stateless_responses_session(index, "acme", calls=6)
+    assert {d.trajectory_id for d in decisions} == {decisions[0].trajectory_id}
+    assert [d.source for d in decisions] == [NEW] + [PREFIX] * 5
+
+
+def test_an_echo_without_reasoning_ids_or_status_still_continues():
+    """Without encrypted reasoning an agent cannot send reasoning items back, and some clients
+    drop the output items' ids and status, or send text parts as a plain string."""
+    def bare(item: dict) -> dict | None:
+        if item["type"] == "reasoning":
+            return None
+        kept = {k: v for k, v in item.items() if k not in ("id", "status")}
+        if item["type"] == "message":
+            kept["content"] = item["content"][0]["text"]
+        return kept
+
+    index = TrajectoryIndex()
+    decisions = _stateless_responses_session(index, "acme", calls=4, echo=bare)
+    assert [d.source for d in decisions] == [NEW, PREFIX, PREFIX, PREFIX]
+    assert len({d.trajectory_id for d in decisions}) == 1
+
+
+def test_responses_sessions_of_one_agent_stay_apart_and_a_retry_is_new():
+    index = TrajectoryIndex()
+    first = _stateless_responses_session(index, "acme", calls=3)
+    second = _stateless_responses_session(index, "globex", calls=3)
+    assert len({d.trajectory_id for d in first}) == len({d.trajectory_id for d in second}) == 1
+    assert first[0].trajectory_id != second[0].trajectory_id
+    # The same first request again (a retry, or another conversation with that opening).
+    opening = {"input": [{"role": "user", "content": "Summarise the notes of acme"}]}
+    assert responses(index, opening).source == NEW
+    # Another scope sees nothing of it.
+    follow = {"input": opening["input"] + [{"role": "assistant", "content": "Reading page 0."}]}
+    assert decide(index, (9, 9), "responses", follow, None).source == NEW
+
+
+def test_a_string_input_opens_a_conversation_that_a_list_continues():
+    index = TrajectoryIndex()
+    first = responses(index, {"input": "what is 3*3?"})
+    index.record_items(SCOPE, responses_items({"input": "what is 3*3?"}),
+                       [{"type": "message", "role": "assistant",
+                         "content": [{"type": "output_text", "text": "9"}]}],
+                       first.trajectory_id)
+    follow = {"input": [{"role": "user", "content": "what is 3*3?"},
+                        {"role": "assistant", "content": "9"},
+                        {"role": "user", "content": "and 4*4?"}]}
+    assert responses(index, follow) == Decision(first.trajectory_id, PREFIX)
+
+
+def test_state_held_upstream_is_left_to_rule_2():
+    """A request chained by previous_response_id (or a stored conversation) sends only its new
+    items: they are no history, so rule 3b neither reads nor records them."""
+    assert responses_items({"previous_response_id": "resp_1", "input": [USER]}) is None
+    assert responses_items({"conversation": "conv_1", "input": [USER]}) is None
+    assert responses_items({"input": ""}) is None and responses_items({"input": 3}) is None
+    assert responses_items({"input": [{"type": "reasoning", "summary": []}]}) is None
+    # Items of any shape hash without raising.
+    odd = [{"type": ["x"]}, "text", {"type": "web_search_call", "id": "ws_1", "action": {}},
+           {"type": "item_reference", "id": "msg_1"}, {"type": "function_call_output",
+                                                       "output": [{"type": "input_text"}]}]
+    assert len(set(prefix_hashes(odd, canonical_item))) == len(odd)
+    assert canonical_item({"type": "item_reference", "id": "a"}) != canonical_item(
+        {"type": "item_reference", "id": "b"})
+
+
+def test_responses_output_from_json_and_stream():
+    output = [{"type": "message", "role": "assistant",
+               "content": [{"type": "output_text", "text": "9"}]}]
+    assert responses_output(orjson.dumps({"id": "resp_1", "output": output}), False) == output
+    assert responses_output(b"not json", False) is None
+    done = {"type": "response.completed", "response": {"id": "resp_1", "output": output}}
+    assert responses_output(sse(done), True) == output
+    # A stream cut before response.completed: the items rebuilt from its events.
+    cut = sse({"type": "response.output_item.added", "output_index": 0,
+               "item": {"type": "message", "role": "assistant", "content": []}},
+              {"type": "response.output_text.delta", "output_index": 0, "content_index": 0,
+               "delta": "9"})
+    rebuilt = responses_output(cut, True)
+    assert canonical_item(rebuilt[0]) == canonical_item(output[0])

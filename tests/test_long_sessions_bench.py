@@ -15,11 +15,13 @@ import pytest
 from tests.bench.long_sessions import (
     SYSTEM_PROMPT,
     assistant_for,
+    chat_message,
     median_repetition,
     message_bytes,
     new_texts,
     presidio_texts,
     request_messages,
+    responses_input,
     script,
     stream_chunks,
 )
@@ -54,6 +56,30 @@ def test_session_and_one_off_carry_the_same_new_messages():
     # Seeded: the same bodies every run, other seeds other people.
     assert script(7, 6, 2048) == turns
     assert script(8, 6, 2048)[1] != turns[1]
+
+
+def test_the_responses_api_agent_sends_the_same_conversation_as_items():
+    """--api responses: each call's input is the chat conversation as a stateless Responses
+    agent holds it, and the upstream's answer to it is the same tool call as on chat."""
+    from proxy.inference import canonical_item, canonical_message
+
+    turns = script(7, 5, 1024)
+    for k in range(5):
+        messages = request_messages(turns, k, "session")
+        instructions, items = responses_input(messages)
+        assert instructions == SYSTEM_PROMPT
+        # An answer with text and one tool call is two items; the rest one each.
+        answers = sum(1 for m in messages if m["role"] == "assistant")
+        assert len(items) == len(messages) - 1 + answers
+        assert assistant_for(chat_message(items[-1])) == assistant_for(messages[-1])
+        calls = [i for i in items if i.get("type") == "function_call"]
+        outputs = [i for i in items if i.get("type") == "function_call_output"]
+        assert [c["call_id"] for c in calls] == [o["call_id"] for o in outputs]
+        # The proxy reads the user's first message as it reads the chat one.
+        assert canonical_item(items[0]) == canonical_message(messages[1])
+    # Call k's input extends call k-1's by what the model answered and the tool's result.
+    first, second = (responses_input(request_messages(turns, k, "session"))[1] for k in (0, 1))
+    assert second[:len(first)] == first and len(second) == len(first) + 3
 
 
 def test_a_window_drops_the_oldest_turns_after_the_first(monkeypatch):

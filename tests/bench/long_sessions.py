@@ -3,7 +3,7 @@
     .venv/bin/python tests/bench/long_sessions.py [--shapes 10,60,200] [--sessions 2]
         [--new-kb 3 | --context-kb 100] [--corpus generated|presidio-research] [--inferred]
         [--paced-shape 60] [--stream] [--clock-in-system] [--window-kb K] [--repeat N]
-        [--quick]
+        [--api chat|responses] [--quick]
 
 An agent resends its whole conversation with every call. This bench measures what that costs the
 appliance as it is: the real proxy (`mitmdump -s proxy/addon.py`), the real shipper
@@ -66,6 +66,11 @@ sanitizer's model, loaded as the sanitizer loads it) over just the new text of t
 as calls/s (the fastest of three passes), next to the pipeline's sustained rate.
 `--stream` streams every call of every mode (SSE, usage included; the agent assembles the tool
 call from the chunks), the way most agents call their model.
+`--api responses` sends the same conversations to the Responses API as a stateless agent does
+(the OpenAI Agents SDK's default, `store: false`): the whole input every call, the model's
+output items (its message and `function_call`) echoed back, each tool result a
+`function_call_output`, the system prompt as `instructions`. With `--inferred` it measures proxy
+inference rule 3b (decision 54).
 `--paced-shape N` (default 60 when 60 is among the shapes) runs that shape's sessions once more,
 paced at `--paced-fraction` of the sustained rate just measured, and reports the lag p95 at that
 rate (target, issue 16: < 5 s).
@@ -398,6 +403,54 @@ def request_messages(turns: list[list[dict]], k: int, mode: str) -> list[dict]:
     return [system_message(k), *[m for t in turns[:rest] for m in t]]
 
 
+# --api responses: the same conversations on the Responses API (set by bench()).
+API = "chat"
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def output_items(answer: dict) -> list[dict]:
+    """A chat answer as the Responses API's output items: its text as an assistant message,
+    then each tool call as a `function_call`. Ids follow from the call id, so the agent's echo
+    of them is the same in every mode and run."""
+    tag = answer["tool_calls"][0]["id"].removeprefix("call_")
+    items: list[dict] = []
+    if answer.get("content"):
+        items.append({"type": "message", "id": f"msg_{tag}", "status": "completed",
+                      "role": "assistant", "content": [
+                          {"type": "output_text", "text": answer["content"], "annotations": []}]})
+    for call in answer["tool_calls"]:
+        items.append({"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}",
+                      "status": "completed", "call_id": call["id"],
+                      "name": call["function"]["name"],
+                      "arguments": call["function"]["arguments"]})
+    return items
+
+
+def responses_input(messages: list[dict]) -> tuple[str | None, list[dict]]:
+    """Chat messages as a stateless Responses API agent (the OpenAI Agents SDK, `store:
+    false`) sends them: the system prompt as `instructions`, the model's answers as the output
+    items it got back, each tool result as a `function_call_output`."""
+    instructions, items = None, []
+    for m in messages:
+        if m["role"] == "system":
+            instructions = m["content"]
+        elif m["role"] == "assistant":
+            items += output_items(m)
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    return instructions, items
+
+
+def chat_message(item: dict) -> dict:
+    """A Responses input item as the chat message assistant_for reads."""
+    if item.get("type") == "function_call_output":
+        return {"role": "tool", "content": item.get("output", "")}
+    return {"role": item.get("role", "user"), "content": item.get("content", "")}
+
+
 def new_kb_for(args: argparse.Namespace, calls: int) -> float:
     """New content per call: --new-kb, or what makes the last call carry --context-kb."""
     if not args.context_kb:
@@ -459,12 +512,27 @@ def upstream_app() -> Any:
         await resp.write_eof()
         return resp
 
+    async def responses(request: web.Request) -> web.Response:
+        body = await request.json()
+        answer = assistant_for(chat_message(body["input"][-1]))
+        tag = answer["tool_calls"][0]["id"].removeprefix("call_")
+        return web.json_response({
+            "id": f"resp_{tag}", "object": "response", "created_at": 1, "status": "completed",
+            "model": MODEL, "output": output_items(answer), "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": body.get("tools", []), "error": None,
+            "incomplete_details": None, "instructions": body.get("instructions"),
+            "metadata": {}, "temperature": 1.0, "top_p": 1.0,
+            "usage": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}})
+
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list",
                                   "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]})
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     return app
 
@@ -693,7 +761,14 @@ def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,
         messages = request_messages(turns, k, mode)
         call = assistant_for(turns[k][-1])["tool_calls"][0]
         want = (call["id"], call["function"]["arguments"])
-        if stream:
+        if API == "responses":
+            instructions, items = responses_input(messages)
+            reply = client.responses.create(model=MODEL, tools=RESPONSES_TOOLS,
+                                            instructions=instructions, input=items, store=False,
+                                            extra_headers=headers)
+            first = next((o for o in reply.output if o.type == "function_call"), None)
+            got = (first.call_id, first.arguments) if first is not None else None
+        elif stream:
             got_id, arguments = None, ""
             for chunk in client.chat.completions.create(
                     model=MODEL, tools=TOOLS, extra_headers=headers, messages=messages,
@@ -953,7 +1028,8 @@ def median_repetition(repeats: dict[str, list[dict]]) -> int:
 
 def bench(args: argparse.Namespace) -> dict:
     """Every shape and mode through one appliance; the figures as a dict."""
-    global CLOCK_IN_SYSTEM, WINDOW_KB, WINDOW_DROPS_FIRST
+    global API, CLOCK_IN_SYSTEM, WINDOW_KB, WINDOW_DROPS_FIRST
+    API = args.api  # read by send_session, in every mode
     CLOCK_IN_SYSTEM = args.clock_in_system  # read by system_message, in every mode
     WINDOW_KB = args.window_kb  # read by request_messages, in the session modes
     WINDOW_DROPS_FIRST = args.window_drops_first
@@ -1028,6 +1104,7 @@ def bench(args: argparse.Namespace) -> dict:
         restarts = app.worker_restarts_s
     return {"corpus": args.corpus, "stream": args.stream,
             "clock_in_system": args.clock_in_system, "window_kb": args.window_kb,
+            "api": args.api,
             "window_drops_first": args.window_drops_first,
             "shapes": shapes, "failed": failed,
             "warmup_s": warmup_s,
@@ -1286,6 +1363,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "to back, in turn first, a fresh worker before each run) and show the "
                          "repetition whose session/one-off time ratio is the median; every "
                          "repetition's ratio is printed (default 1)")
+    ap.add_argument("--api", choices=("chat", "responses"), default="chat",
+                    help="the API the agent calls: 'chat' (chat completions, default) or "
+                         "'responses', the same conversations as a stateless Responses API "
+                         "agent sends them (the OpenAI Agents SDK, `store: false`): the whole "
+                         "input every call, the model's output items echoed back, the system "
+                         "prompt as `instructions`, no previous_response_id (not with --stream)")
     ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     ap.add_argument("--strict", action="store_true",
                     help="exit 2 when an issue-16 target is missed")
@@ -1296,6 +1379,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--shapes: session lengths of at least 2 calls")
     if args.repeat < 1:
         ap.error("--repeat: at least 1")
+    if args.api == "responses" and args.stream:
+        ap.error("--api responses: streamed calls are not built for it (drop --stream)")
     if args.window_drops_first and not args.window_kb:
         ap.error("--window-drops-first needs --window-kb")
     args.sessions = args.sessions or (1 if args.quick else 2)
@@ -1325,6 +1410,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['worker_restart_s']} s (mean, before each run), {result['cpus']} CPUs, "
           f"load average {result['load_avg_1m']}, corpus {result['corpus']}"
           f"{', streamed' if result['stream'] else ''}"
+          f"{', the Responses API' if result.get('api') == 'responses' else ''}"
           f"{', the clock in the system prompt' if result['clock_in_system'] else ''}"
           f"{window_note(result['window_kb'], result.get('window_drops_first', False))}")
     for line in result["failed"]:
