@@ -93,7 +93,7 @@ from proxy.spool import SpoolWriter  # noqa: E402
 from wire.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
 from wire.engines import Engine, Engines  # noqa: E402
 from wire.ids import new_id  # noqa: E402
-from wire.openai import chat_answer, response_id, responses_output  # noqa: E402
+from wire.openai import chat_answer, response_id, responses_answer  # noqa: E402
 from wire.rewrite import upstream_parts  # noqa: E402
 
 log = logging.getLogger("steward.proxy")
@@ -933,15 +933,16 @@ class Steward:
             self.index.record_chat(scope, req["messages"], chat_answer(body, is_stream),
                                    cap.decision.trajectory_id, hashes)
         elif cap.endpoint == "responses":
-            rid = response_id(body, is_stream)
+            items = responses_items(req)
+            # Rule 3b needs the output items too (a stateless agent resends them): one parse
+            # of the body gives both.
+            rid, output = responses_answer(body, is_stream) if items else (
+                response_id(body, is_stream), None)
             if rid:
                 self.index.record_response(scope, rid, cap.decision.trajectory_id)
-            items = responses_items(req)
-            if items:  # rule 3b: a stateless agent will resend these and the output
-                self.index.record_items(
-                    scope, items, responses_output(body, is_stream),
-                    cap.decision.trajectory_id,
-                    hashes or prefix_hashes(items, canonical_item))
+            if items:
+                self.index.record_items(scope, items, output, cap.decision.trajectory_id,
+                                        hashes or prefix_hashes(items, canonical_item))
 
 
 addons = [Steward()]

@@ -23,7 +23,7 @@ from proxy.inference import (
     responses_items,
 )
 from wire.ids import STEWARD_NAMESPACE, new_id, session_trajectory_id
-from wire.openai import chat_answer, message_text, response_id, responses_output
+from wire.openai import chat_answer, message_text, response_id, responses_answer
 from wire.sse import data_payloads
 
 SCOPE = (1, 2)
@@ -378,17 +378,23 @@ def test_state_held_upstream_is_left_to_rule_2():
         {"type": "item_reference", "id": "b"})
 
 
-def test_responses_output_from_json_and_stream():
+def test_responses_answer_from_json_and_stream():
     output = [{"type": "message", "role": "assistant",
                "content": [{"type": "output_text", "text": "9"}]}]
-    assert responses_output(orjson.dumps({"id": "resp_1", "output": output}), False) == output
-    assert responses_output(b"not json", False) is None
+    assert responses_answer(orjson.dumps({"id": "resp_1", "output": output}), False) == (
+        "resp_1", output)
+    assert responses_answer(b"not json", False) == (None, None)
+    assert responses_answer(b"[1]", False) == (None, None)
+    created = {"type": "response.created", "response": {"id": "resp_1", "output": []}}
     done = {"type": "response.completed", "response": {"id": "resp_1", "output": output}}
-    assert responses_output(sse(done), True) == output
+    assert responses_answer(sse(created, done), True) == ("resp_1", output)
     # A stream cut before response.completed: the items rebuilt from its events.
-    cut = sse({"type": "response.output_item.added", "output_index": 0,
+    cut = sse(created,
+              {"type": "response.output_item.added", "output_index": 0,
                "item": {"type": "message", "role": "assistant", "content": []}},
               {"type": "response.output_text.delta", "output_index": 0, "content_index": 0,
                "delta": "9"})
-    rebuilt = responses_output(cut, True)
-    assert canonical_item(rebuilt[0]) == canonical_item(output[0])
+    rid, rebuilt = responses_answer(cut, True)
+    assert rid == "resp_1" and canonical_item(rebuilt[0]) == canonical_item(output[0])
+    # The id alone (rule 2) reads the same from either.
+    assert response_id(sse(created, done), True) == "resp_1"

@@ -69,6 +69,7 @@ def calls(monkeypatch) -> Counter:
     counting(addon, "prefix_hashes")
     counting(addon, "chat_answer")  # the SSE re-parse of the answer
     counting(addon, "response_id")
+    counting(addon, "responses_answer")  # rule 3b's parse of a Responses answer
     return seen
 
 
@@ -88,9 +89,11 @@ async def exchange(s: addon.Steward, messages: list, answer: str, *, session: st
     assert flow.response is None, flow.response and flow.response.content
     flow.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
     s.responseheaders(flow)
+    output = [{"type": "message", "role": "assistant",
+               "content": [{"type": "output_text", "text": answer}]}]
     flow.response.stream(sse_answer(answer) if endpoint.endswith("completions") else
                          b"data: " + orjson.dumps({"type": "response.completed", "response": {
-                             "id": f"resp_{answer}", "output": []}}) + b"\n\n")
+                             "id": f"resp_{answer}", "output": output}}) + b"\n\n")
     s.response(flow)
     await asyncio.sleep(0)  # _finish runs on the next loop iteration
     return flow
@@ -163,3 +166,31 @@ def test_linking_without_a_session_still_works_and_mixing_links_onto_a_session(
     asyncio.run(go())
     sources = [r["trajectory_source"] for r in spooled(steward, tmp_path, 6)]
     assert sources == ["new", "prefix", "session", "prefix", "session", "new"]
+
+
+def test_an_unnamed_responses_agent_costs_one_parse_of_its_answer(steward, calls, tmp_path):
+    """Rule 3b (decision 54): a stateless Responses call without a session name hashes its
+    input before forwarding and parses its streamed answer once (id and output items together),
+    and its follow-up that resends both continues the trajectory."""
+    async def go() -> None:
+        first = {"model": "m", "input": "what is 2+3?", "stream": True, "store": False}
+        f1 = await exchange(steward, [], "5", endpoint="/v1/responses", request=first)
+        assert calls["responses_answer"] == 1 and calls["response_id"] == 0
+        assert calls["prefix_hashes"] == 1  # before forwarding; reused after the answer
+        follow = {"model": "m", "stream": True, "store": False, "input": [
+            {"role": "user", "content": "what is 2+3?"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "5"}]},
+            {"role": "user", "content": "and times 4?"}]}
+        f2 = await exchange(steward, [], "20", endpoint="/v1/responses", request=follow)
+        assert trajectory(f2) == (trajectory(f1)[0], "prefix")
+        assert calls["responses_answer"] == 2 and calls["chat_answer"] == 0
+        # Chained by previous_response_id: rule 2, only the id read, no items hashed.
+        hashed = calls["prefix_hashes"]
+        chained = {"model": "m", "stream": True, "input": "and plus 1?",
+                   "previous_response_id": "resp_20"}
+        f3 = await exchange(steward, [], "21", endpoint="/v1/responses", request=chained)
+        assert trajectory(f3) == (trajectory(f1)[0], "previous_response")
+        assert calls["prefix_hashes"] == hashed and calls["response_id"] == 1
+        assert calls["responses_answer"] == 2
+    asyncio.run(go())

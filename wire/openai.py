@@ -418,25 +418,28 @@ def chat_answer(body: bytes, is_stream: bool) -> dict | None:
     return first.message() if first is not None else None
 
 
-def responses_output(body: bytes, is_stream: bool) -> list | None:
-    """The `output` items of a Responses API response (JSON, or a stream reassembled by
-    `reassemble_responses_stream`), or None. The proxy's trajectory index hashes them
-    (proxy/inference.py, rule 3b) to recognise the agent's next request."""
-    if not is_stream:
+def responses_answer(body: bytes, is_stream: bool) -> tuple[str | None, list | None]:
+    """The id and the `output` items of a Responses API response (JSON, or a stream
+    reassembled by `reassemble_responses_stream`), each None when absent, from one parse of the
+    body. The proxy's trajectory index hashes the items (proxy/inference.py, rule 3b) to
+    recognise the agent's next request."""
+    if is_stream:
+        doc, _ = reassemble_responses_stream(
+            [(None, d) for d in data_payloads(body) if isinstance(d, dict)])
+    else:
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
-            return None
-        output = doc.get("output") if isinstance(doc, dict) else None
-        return output if isinstance(output, list) else None
-    response, _ = reassemble_responses_stream(
-        [(None, doc) for doc in data_payloads(body) if isinstance(doc, dict)])
-    output = response.get("output")
-    return output if isinstance(output, list) else None
+            return None, None
+        if not isinstance(doc, dict):
+            return None, None
+    rid, output = doc.get("id"), doc.get("output")
+    return (rid if isinstance(rid, str) else None, output if isinstance(output, list) else None)
 
 
 def response_id(body: bytes, is_stream: bool) -> str | None:
-    """The id of a Responses API response (JSON, or the `response.completed`/`created` event)."""
+    """The id of a Responses API response (JSON, or the first stream event carrying the
+    `response` object)."""
     try:
         if not is_stream:
             doc = orjson.loads(body)
