@@ -35,6 +35,19 @@ def env_bool(name: str, default: bool = False) -> bool:
     )
 
 
+def env_float(name: str, default: float) -> float:
+    """A number setting; as env_int, a bad value names the variable."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"{name}={os.environ[name]!r} is not a number (default {default})"
+        ) from None
+
+
 def env_int(name: str, default: int) -> int:
     """A whole-number setting. Unset or empty keeps the default. A bad value names the variable:
     int()'s own message ("invalid literal for int()") says neither which one nor where."""
@@ -260,14 +273,14 @@ STEWARD_PROXY_PORT = env_int("STEWARD_PROXY_PORT", 8080)
 STEWARD_UPSTREAM_URL = os.environ.get("STEWARD_UPSTREAM_URL", "")
 STEWARD_SPOOL_DIR = Path(os.environ.get("STEWARD_SPOOL_DIR", VAR_DIR / "spool"))
 # How long an erasure waits for the local spool's segments to be shipped (governance/erasure.py).
-STEWARD_ERASURE_SPOOL_WAIT_S = float(os.environ.get("STEWARD_ERASURE_SPOOL_WAIT_S", "60"))
+STEWARD_ERASURE_SPOOL_WAIT_S = env_float("STEWARD_ERASURE_SPOOL_WAIT_S", 60.0)
 # Detection results shared by the host's worker processes (governance/sanitizing.py,
 # SharedDetections; decision 43): a disk cache of offsets and types under keyed digests, never
 # text. Empty disables it (each process then keeps only its own).
 STEWARD_DETECTION_CACHE_DIR = os.environ.get("STEWARD_DETECTION_CACHE_DIR",
                                              str(VAR_DIR / "detection-cache"))
-STEWARD_DETECTION_CACHE_MB = float(os.environ.get("STEWARD_DETECTION_CACHE_MB", "256"))
-STEWARD_DETECTION_CACHE_SECONDS = float(os.environ.get("STEWARD_DETECTION_CACHE_SECONDS", "3600"))
+STEWARD_DETECTION_CACHE_MB = env_float("STEWARD_DETECTION_CACHE_MB", 256.0)
+STEWARD_DETECTION_CACHE_SECONDS = env_float("STEWARD_DETECTION_CACHE_SECONDS", 3600.0)
 # Master key (base64, 32 bytes) wraps every data key; from the env or a file.
 STEWARD_MASTER_KEY = os.environ.get("STEWARD_MASTER_KEY", "")
 STEWARD_MASTER_KEY_FILE = os.environ.get("STEWARD_MASTER_KEY_FILE", str(VAR_DIR / "master.key"))

@@ -39,7 +39,7 @@ def test_django_code_reads_settings_not_the_environment():
 
 def test_every_setting_read_from_the_environment_is_documented():
     source = (ROOT / "config/settings.py").read_text()
-    names = set(re.findall(r"env_(?:int|bool)\(\s*\"([A-Z0-9_]+)\"", source))
+    names = set(re.findall(r"env_(?:int|float|bool)\(\s*\"([A-Z0-9_]+)\"", source))
     names |= set(re.findall(r"os\.environ(?:\.get)?[(\[]\s*\"([A-Z0-9_]+)\"", source))
     assert "STEWARD_TRAIN_STALE_SECONDS" in names and "STEWARD_SANITIZER_PRELOAD" in names
     sample = (ROOT / "deploy/steward.env.sample").read_text()
@@ -78,6 +78,8 @@ def test_a_bad_number_or_yes_no_names_the_variable_that_holds_it():
     bad_int = _import_settings_with({"STEWARD_WORKER_NICE": "ten"})
     assert bad_int.returncode != 0
     assert "ImproperlyConfigured: STEWARD_WORKER_NICE='ten' is not a whole number" in bad_int.stderr
+    bad_float = _import_settings_with({"STEWARD_DETECTION_CACHE_MB": "1GB"})
+    assert "STEWARD_DETECTION_CACHE_MB='1GB' is not a number (default 256.0)" in bad_float.stderr
     bad_bool = _import_settings_with({"STEWARD_SECURE_COOKIES": "ture"})
     assert bad_bool.returncode != 0
     assert "STEWARD_SECURE_COOKIES='ture' is not a yes/no value" in bad_bool.stderr
