@@ -6,6 +6,7 @@ import os
 import re
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -35,31 +36,26 @@ def env_bool(name: str, default: bool = False) -> bool:
     )
 
 
-def env_float(name: str, default: float) -> float:
-    """A number setting; as env_int, a bad value names the variable."""
+def _env_number(name: str, default: Any, kind: type, noun: str) -> Any:
+    """Unset or empty keeps the default. A bad value names the variable: int()'s and float()'s
+    own messages ("invalid literal for int()") say neither which one nor where."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
     try:
-        return float(value)
+        return kind(value)
     except ValueError:
         raise ImproperlyConfigured(
-            f"{name}={os.environ[name]!r} is not a number (default {default})"
+            f"{name}={os.environ[name]!r} is not {noun} (default {default})"
         ) from None
 
 
 def env_int(name: str, default: int) -> int:
-    """A whole-number setting. Unset or empty keeps the default. A bad value names the variable:
-    int()'s own message ("invalid literal for int()") says neither which one nor where."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ImproperlyConfigured(
-            f"{name}={os.environ[name]!r} is not a whole number (default {default})"
-        ) from None
+    return _env_number(name, default, int, "a whole number")
+
+
+def env_float(name: str, default: float) -> float:
+    return _env_number(name, default, float, "a number")
 
 
 DEBUG = env_bool("STEWARD_DEBUG", False)
