@@ -22,7 +22,8 @@ identical to a stored one (k == n) is a retry or a different conversation with t
 never a continuation, so it starts a new trajectory.
 
 Hashes are a chain (h_k = H(h_{k-1} || canon(m_{k-1}))), so all prefixes of a request cost O(n).
-Messages are canonicalised to (role, text, tool calls (id, name, arguments), tool_call_id), so
+Messages are canonicalised to (role, text, tool calls (id, name, arguments; a legacy
+`function_call` as one call without an id), tool_call_id), so
 cosmetic differences — `content: null` vs missing, text parts vs a string, extra fields such as
 `refusal`, `annotations` or `reasoning_content` that SDKs add when echoing an answer back — do not
 break matching. The index is a bounded LRU per (tenant, agent); when two conversations reach an
@@ -89,6 +90,10 @@ def canonical_message(message: Any) -> bytes:
     # trajectory only when the agent repeats the same malformed value).
     calls: list[Any] = []
     tool_calls = message.get("tool_calls")
+    if not tool_calls and message.get("function_call"):
+        # The legacy `functions` API: one call, no id. Without it, every such answer would
+        # read as the same empty assistant message, and conversations sharing an opening merge.
+        tool_calls = [{"id": "", "function": message["function_call"]}]
     for call in tool_calls if isinstance(tool_calls, list) else (
             [tool_calls] if tool_calls else ()):
         fn = call.get("function") if isinstance(call, dict) else None

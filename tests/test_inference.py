@@ -398,3 +398,26 @@ def test_responses_answer_from_json_and_stream():
     assert rid == "resp_1" and canonical_item(rebuilt[0]) == canonical_item(output[0])
     # The id alone (rule 2) reads the same from either.
     assert response_id(sse(created, done), True) == "resp_1"
+
+
+def test_legacy_function_call_answers_keep_their_conversations_apart():
+    """The pre-tool_calls `functions` API: an answer is a `function_call` and no text. Two
+    conversations with the same opening answered with different calls stay apart, and each
+    follow-up continues its own."""
+    index = TrajectoryIndex()
+    opening = [SYSTEM, {"role": "user", "content": "What is the weather where I am?"}]
+    trajectories = {}
+    for city in ("Paris", "Rome"):
+        decision = chat(index, opening)
+        answer = {"role": "assistant", "content": None,
+                  "function_call": {"name": "weather", "arguments": f'{{"city": "{city}"}}'}}
+        index.record_chat(SCOPE, opening, answer, decision.trajectory_id)
+        trajectories[city] = (decision.trajectory_id, answer)
+    assert trajectories["Paris"][0] != trajectories["Rome"][0]
+    for city, (trajectory_id, answer) in trajectories.items():
+        follow_up = [*opening, answer, {"role": "function", "name": "weather",
+                                        "content": f"Sunny in {city}"}]
+        assert chat(index, follow_up) == Decision(trajectory_id, PREFIX)
+    # A function_call of any shape hashes without raising.
+    for odd in ("x", ["a"], {"name": ["n"]}):
+        canonical_message({"role": "assistant", "function_call": odd})
