@@ -7,9 +7,9 @@ Rules, first match wins:
    conversation state, and is a *continuation* of it                           ("prefix")
 3b. Responses API without `previous_response_id`: the same rule over the `input` items a
    stateless agent resends (the OpenAI Agents SDK's default, and `store: false`)  ("prefix")
-4. Chat completions: the request carries an earlier call's last message and the answer to it,
-   with something after them, but not that call's whole history: a sliding window
-   dropped the oldest messages                                                 ("window")
+4. Chat completions, and Responses input as in 3b: the request carries an earlier call's last
+   message and the answer to it, with something after them, but not that call's whole
+   history: a sliding window dropped the oldest messages                        ("window")
 5. Otherwise a new uuid4                                                       ("new")
 
 Chat prefix matching. After each exchange the index stores, per (tenant, agent), two
@@ -49,8 +49,9 @@ arguments; ids and `status` left out, as an echo may drop them) and stores, afte
 exchange, H(input) and H(input + the response's output items). Reasoning items are left out on
 both sides: an agent that cannot send them back (no `encrypted_content`, `store: false`) drops
 them, which must not end its trajectory. A request naming state held upstream
-(`previous_response_id`, `conversation`) resends no history and is left to rule 2. Rule 4 stays
-chat-only.
+(`previous_response_id`, `conversation`) resends no history and is left to rule 2. Rule 4 reads
+Responses input too: its key is the exchange's last input item and the answer's first output
+item (reasoning left out), looked up at each item that starts a run of model items.
 """
 
 from __future__ import annotations
@@ -181,9 +182,11 @@ def is_assistant(message: Any) -> bool:
     return isinstance(message, dict) and message.get("role") == "assistant"
 
 
-def tail_key(before: Any, answer: Any) -> bytes:
-    """Rule 4's key: an exchange's last request message and the answer to it."""
-    return hashlib.blake2b(b"tail" + canonical_message(before) + canonical_message(answer),
+def tail_key(before: Any, answer: Any,
+             canonical: Callable[[Any], bytes] = canonical_message) -> bytes:
+    """Rule 4's key: an exchange's last request message and the answer to it (for Responses
+    input, its last item and the answer's first item)."""
+    return hashlib.blake2b(b"tail" + canonical(before) + canonical(answer),
                            digest_size=16).digest()
 
 
@@ -225,17 +228,20 @@ class TrajectoryIndex:
                 return trajectory_id
         return None
 
-    def find_window(self, scope: Scope, messages: list[Any]) -> str | None:
+    def find_window(self, scope: Scope, messages: list[Any], items: bool = False) -> str | None:
         """Rule 4: the trajectory whose answered exchange this request carries (its last
-        request message, then the answer) with something after it."""
+        request message, then the answer) with something after it. `items`: over Responses
+        input items, where an answer is a run of model items and its first one is the key's."""
         table = self._tails.get(scope)
         if not table:
             return None
+        is_answer, canonical = (is_model_item, canonical_item) if items else (
+            is_assistant, canonical_message)
         looked = 0
         for j in range(len(messages) - 2, 0, -1):  # the newest answer first
-            if not is_assistant(messages[j]):
+            if not is_answer(messages[j]) or (items and is_answer(messages[j - 1])):
                 continue
-            key = tail_key(messages[j - 1], messages[j])
+            key = tail_key(messages[j - 1], messages[j], canonical)
             hit = table.get(key)
             if hit is not None:
                 table.move_to_end(key)
@@ -274,6 +280,9 @@ class TrajectoryIndex:
             for item in answer:
                 h = extend_hash(h, item, canonical_item)
             self._put(table, h, (trajectory_id, True), self.max_entries)
+            self._put(self._tails.setdefault(scope, OrderedDict()),
+                      tail_key(items[-1], answer[0], canonical_item), trajectory_id,
+                      self.max_entries)
 
     def find_response(self, scope: Scope, response_id: str) -> str | None:
         table = self._responses.get(scope)
@@ -313,4 +322,7 @@ def decide(index: TrajectoryIndex, scope: Scope, endpoint: str, body: Any,
                         items, canonical_item), is_answer=is_model_item)
                 if found:
                     return Decision(found, PREFIX)
+                found = index.find_window(scope, items, items=True)
+                if found:
+                    return Decision(found, WINDOW)
     return Decision(new_id(), NEW)

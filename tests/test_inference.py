@@ -283,15 +283,19 @@ def responses(index, body, scope=SCOPE):
 
 
 def _stateless_responses_session(index, conversation: str, calls: int,
-                                 echo: Callable[[dict], dict | None] = lambda item: item):
+                                 echo: Callable[[dict], dict | None] = lambda item: item,
+                                 keep: int = 0):
     """An agent on the Responses API without previous_response_id (the Agents SDK's default,
     `store: false`): each call resends the input so far plus what the model output (passed
-    through `echo`, as the agent re-serialises it) and a tool result. Returns the decisions."""
+    through `echo`, as the agent re-serialises it) and a tool result; with `keep`, only its
+    last `keep` items once it has more (a sliding window, the first message dropped too).
+    Returns the decisions."""
     items: list[dict] = [{"role": "user", "content": [
         {"type": "input_text", "text": f"Summarise the notes of {conversation}"}]}]
     decisions = []
     for k in range(calls):
-        body = {"model": "m", "input": [dict(i) for i in items], "store": False}
+        sent = items[-keep:] if keep else items
+        body = {"model": "m", "input": [dict(i) for i in sent], "store": False}
         decision = responses(index, body)
         decisions.append(decision)
         call_id = f"call_{conversation}_{k}"
@@ -316,6 +320,20 @@ def test_a_stateless_responses_session_stays_one_trajectory():
     decisions = _stateless_responses_session(index, "acme", calls=6)
     assert {d.trajectory_id for d in decisions} == {decisions[0].trajectory_id}
     assert [d.source for d in decisions] == [NEW] + [PREFIX] * 5
+
+
+def test_a_responses_sliding_window_stays_one_trajectory():
+    """Rule 4 over Responses input: past the window no earlier input is a prefix, and the
+    request is recognised by the previous call's last item and the start of its answer."""
+    index = TrajectoryIndex()
+    # Each call adds 4 items (reasoning, message, function_call, its output): the first three
+    # calls send 1, 5 and 9 items whole, then 9 of 13, 17, ...
+    decisions = _stateless_responses_session(index, "acme", calls=10, keep=9)
+    assert {d.trajectory_id for d in decisions} == {decisions[0].trajectory_id}
+    assert [d.source for d in decisions] == [NEW, PREFIX, PREFIX] + [WINDOW] * 7
+    other = _stateless_responses_session(index, "globex", calls=6, keep=9)
+    assert len({d.trajectory_id for d in other}) == 1
+    assert other[0].trajectory_id != decisions[0].trajectory_id
 
 
 def test_an_echo_without_reasoning_ids_or_status_still_continues():
