@@ -105,3 +105,23 @@ def test_a_chained_call_stays_rule_2s_and_another_agent_is_not_joined(start_prox
                                    *first.parse().output,
                                    {"role": "user", "content": "and 4*4?"}])
     assert other.headers["x-steward-trajectory"] != first.headers["x-steward-trajectory"]
+
+
+def test_a_responses_agent_with_a_sliding_window_stays_one_trajectory(steward_proxy, proxy_key):
+    """Rule 4 over Responses input: an agent that sends only its last three items (the first
+    question dropped from the third call on) is still one trajectory, recognised by the
+    previous call's question and the answer it carries."""
+    client = openai.OpenAI(base_url=steward_proxy.base_url, api_key=proxy_key.secret,
+                           max_retries=0, timeout=30)
+    conversation: list = []
+    headers = []
+    for question in ["what is 3*3?", "and 4*4?", "and 5*5?", "and 6*6?", "and 7*7?"]:
+        conversation.append({"role": "user", "content": question})
+        raw = client.responses.with_raw_response.create(
+            model="demo-model", input=conversation[-3:], store=False)
+        headers.append(raw.headers)
+        conversation += raw.parse().output
+    assert len({h["x-steward-trajectory"] for h in headers}) == 1
+    sources = [steward_proxy.wait_for_record(h["x-steward-step"])["trajectory_source"]
+               for h in headers]
+    assert sources == ["new", "prefix", "window", "window", "window"]
