@@ -6,10 +6,11 @@ import os
 import re
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from wire import env
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("STEWARD_VAR_DIR", BASE_DIR / "var"))
@@ -36,26 +37,12 @@ def env_bool(name: str, default: bool = False) -> bool:
     )
 
 
-def _env_number(name: str, default: Any, kind: type, noun: str) -> Any:
-    """Unset or empty keeps the default. A bad value names the variable: int()'s and float()'s
-    own messages ("invalid literal for int()") say neither which one nor where."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        raise ImproperlyConfigured(
-            f"{name}={os.environ[name]!r} is not {noun} (default {default})"
-        ) from None
-
-
 def env_int(name: str, default: int) -> int:
-    return _env_number(name, default, int, "a whole number")
+    return env.env_int(name, default, ImproperlyConfigured)
 
 
 def env_float(name: str, default: float) -> float:
-    return _env_number(name, default, float, "a number")
+    return env.env_float(name, default, ImproperlyConfigured)
 
 
 DEBUG = env_bool("STEWARD_DEBUG", False)

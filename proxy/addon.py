@@ -92,6 +92,7 @@ from proxy.routing import (  # noqa: E402
 from proxy.spool import SpoolWriter  # noqa: E402
 from wire.crypto import derive_key, load_master_key  # noqa: E402  (Django-free)
 from wire.engines import Engine, Engines  # noqa: E402
+from wire.env import env_float, env_int  # noqa: E402
 from wire.ids import new_id  # noqa: E402
 from wire.openai import chat_answer, response_id, responses_answer  # noqa: E402
 from wire.rewrite import upstream_parts  # noqa: E402
@@ -101,27 +102,6 @@ log = logging.getLogger("steward.proxy")
 MAX_SESSION_LENGTH = 256  # Trajectory.session_id
 # Records are handed to the spool writer in bursts at most this old (see Steward._hand_off).
 HANDOFF_SECONDS = 0.02
-
-
-def _env_number(name: str, default: Any, kind: type) -> Any:
-    """Unset or empty keeps the default; a bad value names the variable, which int()'s and
-    float()'s own messages do not (the proxy refuses to start rather than guess)."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        noun = "a whole number" if kind is int else "a number"
-        raise ValueError(f"{name}={value!r} is not {noun} (default {default})") from None
-
-
-def _env_float(name: str, default: float) -> float:
-    return _env_number(name, default, float)
-
-
-def _env_int(name: str, default: int) -> int:
-    return _env_number(name, default, int)
 
 
 class Settings:
@@ -159,14 +139,14 @@ class Settings:
             raise ValueError("STEWARD_SPOOL_FULL_POLICY must be 'reject' or 'passthrough'")
         return cls(
             spool_dir=Path(os.environ.get("STEWARD_SPOOL_DIR", var_dir / "spool")),
-            spool_max_bytes=_env_int("STEWARD_SPOOL_MAX_BYTES", 1024**3),
+            spool_max_bytes=env_int("STEWARD_SPOOL_MAX_BYTES", 1024**3),
             spool_full_policy=policy,
-            max_request_bytes=_env_int("STEWARD_MAX_REQUEST_BYTES", 10 * 1024 * 1024),
-            upstream_timeout=_env_float("STEWARD_UPSTREAM_TIMEOUT", 600.0),
+            max_request_bytes=env_int("STEWARD_MAX_REQUEST_BYTES", 10 * 1024 * 1024),
+            upstream_timeout=env_float("STEWARD_UPSTREAM_TIMEOUT", 600.0),
             upstream_api_key=os.environ.get("STEWARD_UPSTREAM_API_KEY", "").strip(),
-            key_refresh_seconds=_env_float("STEWARD_KEY_REFRESH_SECONDS", 1.0),
-            routing_refresh_seconds=_env_float("STEWARD_ROUTING_REFRESH_SECONDS", 5.0),
-            route_sticky_max=_env_int("STEWARD_ROUTE_STICKY_MAX", 200_000),
+            key_refresh_seconds=env_float("STEWARD_KEY_REFRESH_SECONDS", 1.0),
+            routing_refresh_seconds=env_float("STEWARD_ROUTING_REFRESH_SECONDS", 5.0),
+            route_sticky_max=env_int("STEWARD_ROUTE_STICKY_MAX", 200_000),
             database_url=os.environ.get("DATABASE_URL", ""),
             master_key_env=os.environ.get("STEWARD_MASTER_KEY", ""),
             master_key_file=os.environ.get("STEWARD_MASTER_KEY_FILE",
@@ -174,9 +154,9 @@ class Settings:
             engines=Engines(os.environ.get),
 
             allowed_paths=os.environ.get("STEWARD_PROXY_ALLOWED_PATHS", ""),
-            max_header_bytes=_env_int("STEWARD_MAX_HEADER_BYTES", 64 * 1024),
-            stream_idle_timeout=_env_float("STEWARD_STREAM_IDLE_TIMEOUT", 600.0),
-            max_capture_bytes=_env_int("STEWARD_MAX_CAPTURE_BYTES", 64 * 1024 * 1024),
+            max_header_bytes=env_int("STEWARD_MAX_HEADER_BYTES", 64 * 1024),
+            stream_idle_timeout=env_float("STEWARD_STREAM_IDLE_TIMEOUT", 600.0),
+            max_capture_bytes=env_int("STEWARD_MAX_CAPTURE_BYTES", 64 * 1024 * 1024),
         )
 
 
