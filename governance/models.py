@@ -23,10 +23,12 @@ from django.contrib.postgres.indexes import GinIndex
 from django.core.exceptions import ObjectDoesNotExist
 from django.db import DataError, models
 from django.db.models import Lookup
+from django.db.models.fields.json import KeyTransform
 
 # The scoped manager of every tenant model: it filters by the current tenant scope itself.
 from governance.subject_keys import OPCLASS, UUID_OPCLASS
 from governance.tenancy import TenantManager, TenantQuerySet  # noqa: F401
+from wire.openai import responses_message
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +358,29 @@ class PendingInteraction(models.Model):
                                 name="pending_tenant_state")]
 
 
+class ActionField(models.JSONField):
+    """A step's `action` (JSONB). A Responses API action keeps its native `output` items and
+    not the chat-style `messages` read from them: those are a pure function of the items
+    (wire.openai.responses_message), dropped on write only when they are exactly that reading
+    and rebuilt on every read, so readers see the action as it was built (decision 55). It
+    was ~320 bytes a step, the answer's third copy after `output` and the next call's items.
+    Actions stored whole (other endpoints, steps built before) are read as they are."""
+
+    def get_prep_value(self, value: Any) -> Any:
+        value = super().get_prep_value(value)
+        if (isinstance(value, dict) and isinstance(value.get("output"), list)
+                and value.get("messages") == [responses_message(value["output"])]):
+            value = {k: v for k, v in value.items() if k != "messages"}
+        return value
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        value = super().from_db_value(value, expression, connection)
+        if (isinstance(value, dict) and isinstance(value.get("output"), list)
+                and "messages" not in value and not isinstance(expression, KeyTransform)):
+            value["messages"] = [responses_message(value["output"])]
+        return value
+
+
 class Step(models.Model):
     """One ATDP v1 step (one LLM call). Content fields hold the OpenAI message objects; served
     as the ATDP document by governance/capture/atdp.py. Never updated after it is built."""
@@ -385,7 +410,8 @@ class Step(models.Model):
     # (see below). Read `observation` (the property) for the whole of it.
     observation_rest = models.JSONField(default=dict, db_column="observation")
     hidden_state = models.JSONField(default=dict)  # reasoning content when returned
-    action = models.JSONField(default=dict)  # assistant message(s), tool calls, finish reason
+    # Assistant message(s), tool calls, finish reason (a Responses action: see ActionField).
+    action = ActionField(default=dict)
     tokens = models.JSONField(default=dict)  # token ids / logprobs when the upstream returns them
     usage = models.JSONField(default=dict)
     timings = models.JSONField(default=dict)

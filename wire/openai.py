@@ -400,6 +400,38 @@ def reassemble_responses_stream(events: list[tuple[str | None, dict]]
     return rebuilt, error
 
 
+def responses_message(output: Any) -> dict[str, Any]:
+    """The chat-style assistant message that a Responses API answer's `output` items say: the
+    text of its `output_text` parts, its `function_call`s as `tool_calls`, its refusals. A pure
+    function of the items, so a stored step keeps only the items and reads this back from them
+    (governance.models.ActionField)."""
+    texts: list[str] = []
+    refusals: list[str] = []
+    tool_calls: list[dict] = []
+    for item in output if isinstance(output, list) else []:
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind == "message":
+            for part in item.get("content") or []:
+                if not isinstance(part, dict):
+                    continue
+                if part.get("type") == "output_text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+                    refusals.append(part["refusal"])
+        elif kind == "function_call":
+            tool_calls.append({"id": item.get("call_id") or item.get("id"), "type": "function",
+                               "function": {"name": item.get("name") or "",
+                                            "arguments": item.get("arguments") or ""}})
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if refusals:
+        message["refusal"] = "".join(refusals)
+    return message
+
+
 def chat_answer(body: bytes, is_stream: bool) -> dict | None:
     """The assistant message of choice 0 of a chat completion (JSON, or an SSE stream
     reassembled by `reassemble_chat_stream`), or None. The proxy's trajectory index hashes it

@@ -37,6 +37,7 @@ from wire.openai import (
     reassemble_chat_stream,
     reassemble_completions_stream,
     reassemble_responses_stream,
+    responses_message,
     responses_stream_ended,
 )
 from wire.sse import sse_json_events
@@ -275,11 +276,10 @@ def parse_completions(body: dict) -> dict:
 
 def parse_responses(resp: dict) -> dict:
     """A Responses API `response` object -> action (normalised chat-style messages plus the
-    native `output` items), hidden state (reasoning items), tokens (output_text logprobs)."""
+    native `output` items), hidden state (reasoning items), tokens (output_text logprobs).
+    The stored step keeps only `output`: its `messages` are read back from it
+    (wire.openai.responses_message, governance.models.ActionField)."""
     output = resp.get("output") if isinstance(resp.get("output"), list) else []
-    texts: list[str] = []
-    refusals: list[str] = []
-    tool_calls: list[dict] = []
     reasoning: list[str] = []
     toks = TokenAccumulator()
     for item in output:
@@ -288,17 +288,9 @@ def parse_responses(resp: dict) -> dict:
         kind = item.get("type")
         if kind == "message":
             for part in item.get("content") or []:
-                if not isinstance(part, dict):
-                    continue
-                if part.get("type") == "output_text" and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
+                if (isinstance(part, dict) and part.get("type") == "output_text"
+                        and isinstance(part.get("text"), str)):
                     toks.add_logprobs(part.get("logprobs"))
-                elif part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
-                    refusals.append(part["refusal"])
-        elif kind == "function_call":
-            tool_calls.append({"id": item.get("call_id") or item.get("id"), "type": "function",
-                               "function": {"name": item.get("name") or "",
-                                            "arguments": item.get("arguments") or ""}})
         elif kind == "reasoning":
             for key in ("content", "summary"):
                 for part in item.get(key) or []:
@@ -306,11 +298,8 @@ def parse_responses(resp: dict) -> dict:
                         reasoning.append(part["text"])
                 if reasoning:
                     break
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    if refusals:
-        message["refusal"] = "".join(refusals)
+    message = responses_message(output)
+    tool_calls = message.get("tool_calls")
     status = resp.get("status")
     incomplete = resp.get("incomplete_details")
     if isinstance(incomplete, dict) and incomplete.get("reason"):
