@@ -13,13 +13,17 @@ from pathlib import Path
 import pytest
 
 from tests.bench.long_sessions import (
+    RECORDED,
     SYSTEM_PROMPT,
+    TAU_BENCH,
+    answer_for,
     assistant_for,
     chat_message,
     median_repetition,
     message_bytes,
     new_texts,
     presidio_texts,
+    recorded_sessions,
     request_messages,
     responses_input,
     script,
@@ -146,6 +150,49 @@ def test_the_presidio_research_corpus_gives_the_new_content():
     assert len(seen) == len(set(seen))
     assert [int(i[2:]) for i in seen] == [
         (int(seen[0][2:]) + j) % len(texts) for j in range(len(seen))]
+
+
+def test_the_recorded_sessions_replay_what_the_agent_sent_and_got(monkeypatch):
+    """--corpus tau-bench: each recorded session, call by call, sends exactly the messages
+    the recorded agent had before each answer (its own system prompt first), and the
+    upstream's answer to every request, in every mode, is the recorded one."""
+    import gzip
+
+    recorded = recorded_sessions()
+    raw = json.loads(gzip.decompress(TAU_BENCH.read_bytes()))["trajectories"]
+    assert len(raw) == 200 and len(recorded.sessions) + recorded.left_out == 200
+    assert recorded.left_out <= 15 and len(recorded.tools) == 14
+    assert {t["function"]["name"] for t in recorded.tools} >= {"get_user_details",
+                                                              "book_reservation"}
+    monkeypatch.setattr("tests.bench.long_sessions.SYSTEM_PROMPT", recorded.system)
+    RECORDED.update(recorded.answers)  # what answer_for (and the upstream) reads
+    try:
+        for index, turns in zip(recorded.kept, recorded.sessions, strict=True):
+            history = raw[index]["traj"]
+            answers = [i for i, m in enumerate(history) if m["role"] == "assistant"]
+            assert len(turns) == len(answers) >= 1
+            for k, at in enumerate(answers):
+                session = request_messages(turns, k, "session")
+                assert session == history[:at]
+                assert answer_for(session) == history[at]
+                one_off = request_messages(turns, k, "one-off")
+                assert one_off == [history[0], *turns[k]]
+                assert answer_for(one_off) == history[at]
+    finally:
+        RECORDED.clear()
+    # Generated sessions still get the generator's answer.
+    turns = script(7, 3, 1024)
+    assert answer_for(request_messages(turns, 1, "session")) == assistant_for(turns[1][-1])
+
+
+def test_recorded_sessions_refuse_the_options_that_shape_generated_ones():
+    for args in (["--corpus", "tau-bench", "--shapes", "60"],
+                 ["--corpus", "tau-bench", "--new-kb", "2"],
+                 ["--corpus", "tau-bench", "--api", "responses"],
+                 ["--recorded-sessions", "3"]):
+        proc = _bench(*args, timeout=60)
+        assert proc.returncode == 2, args
+        assert "tau-bench" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_the_upstreams_stream_reassembles_into_its_answer():
@@ -285,6 +332,27 @@ def test_a_streamed_run_through_the_real_appliance(tmp_path):
         assert runs[mode]["time_to_sanitized_s"] == repeated[shape["shown_repetition"] - 1][
             "time_to_sanitized_s"]
     assert "session/1-off time, each repetition" in proc.stdout
+
+
+@pytest.mark.slow
+def test_recorded_sessions_through_the_real_appliance(tmp_path):
+    """--corpus tau-bench: two recorded sessions, every answer (tool calls and text) back
+    through the real proxy intact, each session one trajectory, every call a step."""
+    out = tmp_path / "figures.json"
+    proc = _bench("--corpus", "tau-bench", "--recorded-sessions", "2", "--sessions", "2",
+                  "--json", str(out), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["corpus"] == "tau-bench" and result["failed"] == []
+    (shape,) = result["shapes"]
+    recorded = shape["recorded"]
+    assert recorded["sessions"] == 2 and "tau-bench" in recorded["source"]
+    runs = shape["runs"]
+    for run in runs.values():
+        assert run["calls"] == run["steps"] == recorded["calls"]
+    assert runs["session"]["trajectories"] == 2
+    assert runs["one-off"]["trajectories"] == recorded["calls"]
+    assert "2 recorded sessions" in proc.stdout and "2 recorded" in proc.stdout
 
 
 @pytest.mark.parametrize("option, url, service", [
