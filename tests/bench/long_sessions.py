@@ -1164,6 +1164,8 @@ def bench(args: argparse.Namespace) -> dict:
         SYSTEM_PROMPT, TOOLS = recorded.system, recorded.tools
         RECORDED.update(recorded.answers)
         args.shapes = [max(len(t) for t in recorded.sessions)]
+        args.paced_shape *= args.shapes[0]
+        args.backlog_shape *= args.shapes[0]
     modes = ["one-off", "session"] + (["inferred"] if args.inferred else [])
     agents = ["bench-warmup"] + [agent_name(n, m, rep=k) for n in args.shapes
                                  for m in modes for k in range(args.repeat)]
@@ -1237,11 +1239,11 @@ def bench(args: argparse.Namespace) -> dict:
                 sustained = runs["session"]["calls_per_s"] or 0.1
                 entry["paced"] = run(app, agent_name(n, "session", True), scripts, "session",
                                      args.paced_fraction * sustained, args.drain_timeout,
-                                     stream=args.stream)
+                                     stream=args.stream, agents=agents)
             if n == args.backlog_shape:
                 entry["backlog"] = {m: run(app, agent_name(n, m, backlog=True), scripts, m,
                                            None, args.drain_timeout, stream=args.stream,
-                                           backlog=True)
+                                           backlog=True, agents=agents)
                                     for m in BACKLOG_MODES}
             shapes.append(entry)
             print(shape_table(entry), flush=True)
@@ -1498,12 +1500,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--paced-shape", type=int, default=None,
                     help="run this shape's sessions once more, paced below the sustained rate "
                          "just measured, for the lag p95 at that rate (default 60 when 60 is "
-                         "among the shapes and not --quick; 0: never)")
+                         "among the shapes and not --quick; 0: never; with --corpus tau-bench "
+                         "any positive value: the recorded sessions, default never)")
     ap.add_argument("--backlog-shape", type=int, default=None,
                     help="run this shape's sessions once more with the worker stopped until "
                          "every call is shipped, for the rate the pipeline sustains with all "
                          "the work waiting (default 60 when 60 is among the shapes and not "
-                         "--quick; 0: never)")
+                         "--quick; 0: never; with --corpus tau-bench any positive value: the "
+                         "recorded sessions, default never)")
     ap.add_argument("--paced-fraction", type=float, default=0.8,
                     help="the paced run's rate as a fraction of the session run's sustained "
                          "calls/s (default 0.8)")
@@ -1540,9 +1544,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.corpus == "tau-bench":
         given = [o for o, v in (("--shapes", args.shapes), ("--new-kb", args.new_kb),
-                                ("--context-kb", args.context_kb),
-                                ("--paced-shape", args.paced_shape),
-                                ("--backlog-shape", args.backlog_shape)) if v]
+                                ("--context-kb", args.context_kb)) if v]
         if given:
             ap.error(f"--corpus tau-bench replays recorded sessions as they were: "
                      f"{', '.join(given)} does not apply")
@@ -1567,14 +1569,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sessions = args.sessions or (1 if args.quick else 2)
     args.new_kb = args.new_kb or (1.0 if args.quick else 3.0)
     if args.corpus == "tau-bench":
-        args.paced_shape = args.backlog_shape = 0
+        # Any positive value: the recorded sessions (bench() sets their shape); none by default.
+        args.paced_shape, args.backlog_shape = int(bool(args.paced_shape)), int(bool(
+            args.backlog_shape))
     if args.paced_shape is None:
         args.paced_shape = 60 if 60 in args.shapes and not args.quick else 0
-    elif args.paced_shape and args.paced_shape not in args.shapes:
+    elif args.paced_shape and args.paced_shape not in args.shapes and args.corpus != "tau-bench":
         ap.error("--paced-shape must be one of --shapes")
     if args.backlog_shape is None:
         args.backlog_shape = 60 if 60 in args.shapes and not args.quick else 0
-    elif args.backlog_shape and args.backlog_shape not in args.shapes:
+    elif (args.backlog_shape and args.backlog_shape not in args.shapes
+          and args.corpus != "tau-bench"):
         ap.error("--backlog-shape must be one of --shapes")
     return args
 
