@@ -9,9 +9,11 @@ Endpoints: GET /v1/models; POST /v1/chat/completions, /v1/completions, /v1/respo
 SSE with `stream: true`). The model answers simple arithmetic ("what is 12*7?" -> "12 * 7 =
 84."), otherwise echoes the last user text. With `tools` and a user message last, it calls the
 first tool (arguments `{"expression": ...}` when the text has arithmetic, else `{"input": ...}`);
-after a `tool` message it reports the tool's result. A model name containing "reason" adds
-`reasoning_content`. `usage` is always in JSON answers, and in streams when
-`stream_options.include_usage` is true.
+after a `tool` message it reports the tool's result. The Responses API does the same with
+function tools: a `function_call` output item after a user message, the result reported after
+a `function_call_output` (as agents built on the OpenAI Agents SDK call their model). A model
+name containing "reason" adds `reasoning_content`. `usage` is always in JSON answers, and in
+streams when `stream_options.include_usage` is true.
 
 Token ids and logprobs (SGLang-style): with `logprobs: true` each entry of
 `choices[].logprobs.content[]` carries `token`, `logprob`, `bytes`, `top_logprobs` and
@@ -113,11 +115,9 @@ def chat_model(body: dict) -> Answer:
     prompt = text_of(last.get("content"))
     if tools and last.get("role") == "user" and body.get("tool_choice") != "none":
         fn = (tools[0].get("function") or {}).get("name", "tool")
-        expr = _ARITH.search(prompt)
-        args = {"expression": expr.group(0)} if expr else {"input": prompt}
         call_id = "call_" + hashlib.sha256(orjson.dumps(messages)).hexdigest()[:24]
         return Answer(None, [{"id": call_id, "type": "function",
-                              "function": {"name": fn, "arguments": orjson.dumps(args).decode()}}],
+                              "function": {"name": fn, "arguments": tool_arguments(prompt)}}],
                       reasoning)
     return Answer(answer_text(prompt), None, reasoning)
 
@@ -335,17 +335,47 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def responses_prompt(body: dict) -> str:
+def tool_arguments(prompt: str) -> str:
+    expr = _ARITH.search(prompt)
+    return orjson.dumps({"expression": expr.group(0)} if expr else {"input": prompt}).decode()
+
+
+def _last_turn(body: dict) -> dict:
+    """The Responses input's last user message or function call output (a string input is a
+    user message); {} when there is none."""
     items = body.get("input", "")
     if isinstance(items, str):
-        return items
+        return {"role": "user", "content": items}
     for item in reversed(items if isinstance(items, list) else []):
-        if isinstance(item, dict):
-            if item.get("type") == "function_call_output":
-                return f"tool result {item.get('output', '')}"
-            if item.get("role") == "user":
-                return text_of(item.get("content"))
-    return ""
+        if isinstance(item, dict) and (item.get("type") == "function_call_output"
+                                       or item.get("role") == "user"):
+            return item
+    return {}
+
+
+def responses_text(body: dict) -> str:
+    """The model's text answer: the tool's result after a function call output, as chat does,
+    else the answer to the last user message."""
+    last = _last_turn(body)
+    if last.get("type") == "function_call_output":
+        return f"The tool returned: {text_of(last.get('output', ''))}"
+    return answer_text(text_of(last.get("content")))
+
+
+def responses_tool_call(body: dict) -> dict | None:
+    """The `function_call` item the model answers with: its first function tool, when the last
+    input item is a user message and `tool_choice` allows tools; else None."""
+    tools = [t for t in body.get("tools") or [] if isinstance(t, dict)
+             and t.get("type") == "function"]
+    items = body.get("input")
+    last = items[-1] if isinstance(items, list) and items and isinstance(items[-1], dict) else {}
+    if not tools or body.get("tool_choice") == "none" or (
+            last.get("role") != "user" and not isinstance(items, str)):
+        return None
+    digest = hashlib.sha256(orjson.dumps(items)).hexdigest()[:24]
+    return {"type": "function_call", "id": "fc_" + digest, "call_id": "call_" + digest,
+            "name": tools[0].get("name", "tool"), "status": "completed",
+            "arguments": tool_arguments(text_of(_last_turn(body).get("content")))}
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -353,18 +383,19 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if failure:
         return failure
     assert body is not None
-    text = answer_text(responses_prompt(body))
+    call = responses_tool_call(body)
+    text = "" if call else responses_text(body)
     rid, msg_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
     model = body.get("model", "demo-model")
     toks = tokens(text)
     in_tokens = prompt_tokens(body)
-    usage = {"input_tokens": in_tokens, "output_tokens": len(toks),
+    usage = {"input_tokens": in_tokens, "output_tokens": len(toks) + (8 if call else 0),
              "total_tokens": in_tokens + len(toks),
              "input_tokens_details": {"cached_tokens": 0},
              "output_tokens_details": {"reasoning_tokens": 0}}
     part = {"type": "output_text", "text": text, "annotations": []}
-    item = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
-            "content": [part]}
+    item = call or {"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
+                    "content": [part]}
 
     def response_obj(status: str, output: list, with_usage: bool) -> dict:
         return {"id": rid, "object": "response", "created_at": int(time.time()),
@@ -387,6 +418,17 @@ async def responses(request: web.Request) -> web.StreamResponse:
         seq += 1
 
     await emit("response.created", response=response_obj("in_progress", [], False))
+    if call:
+        await emit("response.output_item.added", output_index=0,
+                   item={**call, "status": "in_progress", "arguments": ""})
+        await emit("response.function_call_arguments.delta", item_id=call["id"], output_index=0,
+                   delta=call["arguments"])
+        await emit("response.function_call_arguments.done", item_id=call["id"], output_index=0,
+                   arguments=call["arguments"])
+        await emit("response.output_item.done", output_index=0, item=call)
+        await emit("response.completed", response=response_obj("completed", [call], True))
+        await resp.write_eof()
+        return resp
     await emit("response.output_item.added", output_index=0,
                item={**item, "status": "in_progress", "content": []})
     await emit("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
