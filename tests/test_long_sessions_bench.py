@@ -23,6 +23,8 @@ from tests.bench.long_sessions import (
     message_bytes,
     new_texts,
     presidio_texts,
+    items_turn_key,
+    recorded_items_answers,
     recorded_sessions,
     request_messages,
     responses_input,
@@ -178,6 +180,17 @@ def test_the_recorded_sessions_replay_what_the_agent_sent_and_got(monkeypatch):
                 one_off = request_messages(turns, k, "one-off")
                 assert one_off == [history[0], *turns[k]]
                 assert answer_for(one_off) == history[at]
+        # The same sessions as a stateless Responses API agent sends them (--api responses):
+        # the upstream finds each recorded answer from the input items, session or one-off.
+        by_items = recorded_items_answers(recorded)
+        for index, turns in zip(recorded.kept, recorded.sessions, strict=True):
+            history = raw[index]["traj"]
+            answers = [i for i, m in enumerate(history) if m["role"] == "assistant"]
+            for k, at in enumerate(answers):
+                for mode in ("session", "one-off"):
+                    instructions, items = responses_input(request_messages(turns, k, mode))
+                    assert instructions == recorded.system
+                    assert by_items[items_turn_key(items)] == history[at]
     finally:
         RECORDED.clear()
     # Generated sessions still get the generator's answer.
@@ -188,7 +201,6 @@ def test_the_recorded_sessions_replay_what_the_agent_sent_and_got(monkeypatch):
 def test_recorded_sessions_refuse_the_options_that_shape_generated_ones():
     for args in (["--corpus", "tau-bench", "--shapes", "60"],
                  ["--corpus", "tau-bench", "--new-kb", "2"],
-                 ["--corpus", "tau-bench", "--api", "responses"],
                  ["--recorded-sessions", "3"]):
         proc = _bench(*args, timeout=60)
         assert proc.returncode == 2, args

@@ -31,7 +31,9 @@ the sessions are sent as they were, `--sessions` agents at once, each working th
 one session after another; sessions with a turn that another has word for word but answered
 otherwise are left out (the upstream answers by the turn). The shape, the session and one-off
 modes and every figure are as for generated sessions; the time, database and rate targets are
-for the generated 60- and 200-call shapes and are not marked for recorded sessions.
+for the generated 60- and 200-call shapes and are not marked for recorded sessions. With
+`--api responses` the recorded sessions go as a stateless Responses API agent sends them (below);
+the upstream finds each recorded answer from the input items.
 
 For each shape (calls per session) and `--sessions` sessions sent concurrently (each session by
 its own thread, a call as soon as the previous one was answered):
@@ -496,17 +498,25 @@ API = "chat"
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 
+def answer_tag(answer: dict) -> str:
+    """What a chat answer's Responses ids are made of: its first call id, else its text's
+    hash, so the agent's echo of them is the same in every mode and run."""
+    calls = answer.get("tool_calls") or []
+    if calls:
+        return calls[0]["id"].removeprefix("call_")
+    return hashlib.sha256((answer.get("content") or "").encode()).hexdigest()[:24]
+
+
 def output_items(answer: dict) -> list[dict]:
     """A chat answer as the Responses API's output items: its text as an assistant message,
-    then each tool call as a `function_call`. Ids follow from the call id, so the agent's echo
-    of them is the same in every mode and run."""
-    tag = answer["tool_calls"][0]["id"].removeprefix("call_")
+    then each tool call as a `function_call` (answer_tag's ids)."""
+    tag = answer_tag(answer)
     items: list[dict] = []
     if answer.get("content"):
         items.append({"type": "message", "id": f"msg_{tag}", "status": "completed",
                       "role": "assistant", "content": [
                           {"type": "output_text", "text": answer["content"], "annotations": []}]})
-    for call in answer["tool_calls"]:
+    for call in answer.get("tool_calls") or []:
         items.append({"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}",
                       "status": "completed", "call_id": call["id"],
                       "name": call["function"]["name"],
@@ -530,6 +540,36 @@ def responses_input(messages: list[dict]) -> tuple[str | None, list[dict]]:
         else:
             items.append({"role": m["role"], "content": m["content"]})
     return instructions, items
+
+
+# --corpus tau-bench --api responses: the recorded answer to each turn, by items_turn_key.
+RECORDED_ITEMS: dict[str, dict] = {}
+
+
+def _is_answer_item(item: dict) -> bool:
+    return item.get("type") == "function_call" or item.get("role") == "assistant"
+
+
+def items_turn_key(items: list[dict]) -> str:
+    """turn_key for Responses input: the items from the first output item of the last answer
+    (its message and function calls) on, else all of them (the instructions are apart)."""
+    start = next((i for i in range(len(items) - 1, -1, -1) if _is_answer_item(items[i])), None)
+    while start is not None and start > 0 and _is_answer_item(items[start - 1]):
+        start -= 1
+    return hashlib.sha256(json.dumps(items[start or 0:], sort_keys=True).encode()).hexdigest()
+
+
+def recorded_items_answers(recorded: Recorded) -> dict[str, dict]:
+    """items_turn_key -> the recorded answer, for every turn of the recorded sessions."""
+    out: dict[str, dict] = {}
+    system = {"role": "system", "content": recorded.system}
+    for turns in recorded.sessions:
+        for turn in turns:
+            key = items_turn_key(responses_input([system, *turn])[1])
+            answer = recorded.answers[turn_key([system, *turn])]
+            if out.setdefault(key, answer) != answer:
+                raise SystemExit("--api responses: two recorded turns read the same as items")
+    return out
 
 
 def chat_message(item: dict) -> dict:
@@ -607,10 +647,15 @@ def upstream_app() -> Any:
 
     async def responses(request: web.Request) -> web.Response:
         body = await request.json()
-        answer = assistant_for(chat_message(body["input"][-1]))
-        tag = answer["tool_calls"][0]["id"].removeprefix("call_")
+        try:
+            answer = (RECORDED_ITEMS[items_turn_key(body["input"])] if RECORDED_ITEMS
+                      else assistant_for(chat_message(body["input"][-1])))
+        except KeyError:
+            return web.json_response({"error": {"message": "no recorded answer to this turn",
+                                                "type": "invalid_request_error"}}, status=400)
         return web.json_response({
-            "id": f"resp_{tag}", "object": "response", "created_at": 1, "status": "completed",
+            "id": f"resp_{answer_tag(answer)}", "object": "response", "created_at": 1,
+            "status": "completed",
             "model": MODEL, "output": output_items(answer), "parallel_tool_calls": True,
             "tool_choice": "auto", "tools": body.get("tools", []), "error": None,
             "incomplete_details": None, "instructions": body.get("instructions"),
@@ -1150,6 +1195,7 @@ def median_repetition(repeats: dict[str, list[dict]]) -> int:
 def bench(args: argparse.Namespace) -> dict:
     """Every shape and mode through one appliance; the figures as a dict."""
     global API, CLOCK_IN_SYSTEM, WINDOW_KB, WINDOW_DROPS_FIRST, SYSTEM_PROMPT, TOOLS
+    global RESPONSES_TOOLS
     API = args.api  # read by send_session, in every mode
     CLOCK_IN_SYSTEM = args.clock_in_system  # read by system_message, in every mode
     WINDOW_KB = args.window_kb  # read by request_messages, in the session modes
@@ -1162,7 +1208,10 @@ def bench(args: argparse.Namespace) -> dict:
         # The recorded agent's own system prompt, tools and answers, in every mode.
         recorded = recorded_sessions(args.recorded_sessions)
         SYSTEM_PROMPT, TOOLS = recorded.system, recorded.tools
+        RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
         RECORDED.update(recorded.answers)
+        if API == "responses":
+            RECORDED_ITEMS.update(recorded_items_answers(recorded))
         args.shapes = [max(len(t) for t in recorded.sessions)]
         args.paced_shape *= args.shapes[0]
         args.backlog_shape *= args.shapes[0]
@@ -1548,9 +1597,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if given:
             ap.error(f"--corpus tau-bench replays recorded sessions as they were: "
                      f"{', '.join(given)} does not apply")
-        if args.api != "chat":
-            ap.error("--corpus tau-bench: the sessions were recorded on chat completions "
-                     "(drop --api responses)")
         args.shapes = "30"  # replaced by the longest recorded session's length
     elif args.recorded_sessions:
         ap.error("--recorded-sessions needs --corpus tau-bench")
