@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 
 from governance.capture.atdp import trajectory_document
-from governance.models import Step, Trajectory
+from governance.models import Finding, Step, Trajectory
 from governance.tenancy import tenant_context
 from tests.govdata import make_trajectory
 from tests.pipeline import chat_response, make_record, ship_and_build
@@ -126,3 +126,29 @@ def test_a_step_stored_whole_before_reads_as_it_was(tenant, agent):
 ])
 def test_the_reading_of_odd_items(output, message):
     assert responses_message(output) == message
+
+
+def test_the_request_a_responses_answer_echoes_is_not_sanitized_again(tenant, agent, tmp_path):
+    """The Responses API's `response` object repeats the request's instructions and tools:
+    the step reads neither from it, and the sanitizer does not find their identifiers again
+    in every answer (decision 57). The request side finds them, once."""
+    instructions = "You help Maria Garcia (maria.garcia@example.com) with her bookings."
+    tools = [{"type": "function", "name": "lookup", "description": "Look up Peter Novak's "
+              "orders (peter.novak@example.org).", "parameters": {"type": "object"}}]
+    answer = {**ANSWER, "instructions": instructions, "tools": tools,
+              "metadata": {"owner": "maria.garcia@example.com"},
+              "output": [{"type": "message", "id": "msg_9", "role": "assistant",
+                          "status": "completed",
+                          "content": [{"type": "output_text", "text": "Done.",
+                                       "annotations": []}]}]}
+    step = build_one(tenant, agent, tmp_path, "responses",
+                     {"model": "m", "instructions": instructions, "tools": tools,
+                      "input": [{"role": "user", "content": "Book it."}], "store": False},
+                     answer)
+    with tenant_context(tenant.pk):
+        found = {side: sum(f.total for f in Finding.objects.filter(step_id=step.pk, side=side))
+                 for side in ("request", "response")}
+    assert found["response"] == 0, found
+    assert found["request"] >= 3, found  # the instructions' and the tools' identifiers
+    assert step.action["messages"][0]["content"] == "Done."
+    assert step.response_id == "resp_a1" and step.response_model == "m-2"

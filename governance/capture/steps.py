@@ -334,8 +334,9 @@ class Exchange:
 
     `response` is the body the agent received as one JSON object: the upstream's JSON, or a
     stream reassembled into the object a non-streamed call would have returned (chat and
-    completions) or the final `response` object (Responses). None for a failed call (status
-    >= 400: see `error_body` / `error_text`) or when no body came."""
+    completions) or the final `response` object (Responses, without the request fields it
+    echoes: RESPONSES_ANSWER_KEYS). None for a failed call (status >= 400: see `error_body` /
+    `error_text`) or when no body came."""
 
     endpoint: str
     request: dict | None  # None: the request body is not a JSON object
@@ -426,7 +427,20 @@ def parse_exchange(*, endpoint: str, request_body: bytes, response_body: bytes |
                 ex.unscanned.append("response_body")
         else:  # a JSON scalar: kept as text
             ex.error_text = str(body)[:ERROR_TEXT_CHARS]
+    if endpoint == "responses" and isinstance(ex.response, dict):
+        ex.response = {k: v for k, v in ex.response.items() if k in RESPONSES_ANSWER_KEYS}
     return ex
+
+
+# What a step reads of a Responses API `response` object (parse_responses,
+# fields_from_exchange). The rest of it echoes the request — `instructions`, `tools`,
+# `metadata`, `text`, `reasoning`, `tool_choice`, ... — which the step holds from the request,
+# sanitized there once a trajectory: sanitizing the echo again with every answer cost the
+# sanitizer ~110 more strings a call on tau-bench's sessions and counted the instructions'
+# identifiers as found in every answer (decision 57). The raw payload keeps the body whole.
+RESPONSES_ANSWER_KEYS = frozenset({
+    "id", "object", "created_at", "status", "model", "output", "usage", "incomplete_details",
+    "error", "output_token_ids", "input_token_ids", "prompt_token_ids", "system_fingerprint"})
 
 
 def _error_of(ex: Exchange) -> dict | None:
