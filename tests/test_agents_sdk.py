@@ -56,13 +56,10 @@ class Wire:
     def __init__(self) -> None:
         self.calls: list[dict] = []
 
-    async def on_request(self, request: httpx.Request) -> None:
-        self.calls.append({"body": json.loads(request.content)})
-
     async def on_response(self, response: httpx.Response) -> None:
-        body = json.loads(response.request.content)
-        call = next(c for c in reversed(self.calls) if c["body"] == body and "headers" not in c)
-        call["headers"] = dict(response.headers)
+        # Called once the headers are in, for the request that got them.
+        self.calls.append({"body": json.loads(response.request.content),
+                           "headers": dict(response.headers)})
 
 
 async def _conversations(base_url: str, secret: str) -> dict[str, Wire]:
@@ -74,7 +71,6 @@ async def _conversations(base_url: str, secret: str) -> dict[str, Wire]:
     for name, wire in wires.items():
         client = AsyncOpenAI(base_url=base_url, api_key=secret, max_retries=0, timeout=30,
                              http_client=httpx.AsyncClient(event_hooks={
-                                 "request": [wire.on_request],
                                  "response": [wire.on_response]}))
         agents[name] = Agent(name="support", tools=[calculator],
                              instructions="You are a support agent. Use the calculator.",

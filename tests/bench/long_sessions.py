@@ -495,7 +495,11 @@ def request_messages(turns: list[list[dict]], k: int, mode: str) -> list[dict]:
 
 # --api responses: the same conversations on the Responses API (set by bench()).
 API = "chat"
-RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def responses_tools() -> list[dict]:
+    """TOOLS (the generator's, or the recorded agent's) as Responses API function tools."""
+    return [{"type": "function", **t["function"]} for t in TOOLS]
 
 
 def answer_tag(answer: dict) -> str:
@@ -901,7 +905,7 @@ def send_session(app: Appliance, agent: str, turns: list[list[dict]], mode: str,
         want = reply_key(answer_for(messages))
         if API == "responses":
             instructions, items = responses_input(messages)
-            reply = client.responses.create(model=MODEL, tools=RESPONSES_TOOLS,
+            reply = client.responses.create(model=MODEL, tools=responses_tools(),
                                             instructions=instructions, input=items, store=False,
                                             extra_headers=headers)
             first = next((o for o in reply.output if o.type == "function_call"), None)
@@ -1195,7 +1199,6 @@ def median_repetition(repeats: dict[str, list[dict]]) -> int:
 def bench(args: argparse.Namespace) -> dict:
     """Every shape and mode through one appliance; the figures as a dict."""
     global API, CLOCK_IN_SYSTEM, WINDOW_KB, WINDOW_DROPS_FIRST, SYSTEM_PROMPT, TOOLS
-    global RESPONSES_TOOLS
     API = args.api  # read by send_session, in every mode
     CLOCK_IN_SYSTEM = args.clock_in_system  # read by system_message, in every mode
     WINDOW_KB = args.window_kb  # read by request_messages, in the session modes
@@ -1208,7 +1211,6 @@ def bench(args: argparse.Namespace) -> dict:
         # The recorded agent's own system prompt, tools and answers, in every mode.
         recorded = recorded_sessions(args.recorded_sessions)
         SYSTEM_PROMPT, TOOLS = recorded.system, recorded.tools
-        RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
         RECORDED.update(recorded.answers)
         if API == "responses":
             RECORDED_ITEMS.update(recorded_items_answers(recorded))
