@@ -25,8 +25,9 @@ Hashes are a chain (h_k = H(h_{k-1} || canon(m_{k-1}))), so all prefixes of a re
 Messages are canonicalised to (role, text, tool calls (id, name, arguments; a legacy
 `function_call` as one call without an id), tool_call_id), so
 cosmetic differences — `content: null` vs missing, text parts vs a string, extra fields such as
-`refusal`, `annotations` or `reasoning_content` that SDKs add when echoing an answer back — do not
-break matching. The index is a bounded LRU per (tenant, agent); when two conversations reach an
+`refusal`, `annotations` or `reasoning_content` that SDKs add when echoing an answer back, tool
+arguments serialized again (whitespace, key order, escapes: the JSON they hold is compared) — do
+not break matching. The index is a bounded LRU per (tenant, agent); when two conversations reach an
 identical state, the later one wins.
 
 Sliding windows (rule 4). An agent that keeps its context under a budget by dropping the oldest
@@ -100,11 +101,27 @@ def canonical_message(message: Any) -> bytes:
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
             calls.append([_text(call.get("id")), _text(fn.get("name")),
-                          _text(fn.get("arguments"))])
+                          _arguments(fn.get("arguments"))])
         else:
             calls.append(["?", _text(call)])
     return orjson.dumps([_text(message.get("role")), message_text(message.get("content")),
                          calls, _text(message.get("tool_call_id"))])
+
+
+def _arguments(value: Any) -> str:
+    """Tool-call arguments by the JSON document they hold, not its bytes: SDKs that parse the
+    model's arguments and serialize them again when they send the answer back (LangChain's
+    AIMessage.tool_calls: json.dumps, a space after every separator, non-ASCII escaped) echo
+    the same call in other bytes, and rule 4's key holds the answer as the model sent it
+    (decision 58). Arguments that are not a JSON object or array are kept as they are."""
+    if isinstance(value, str):
+        if value.lstrip()[:1] in ("{", "["):
+            try:
+                return orjson.dumps(orjson.loads(value), option=orjson.OPT_SORT_KEYS).decode()
+            except (orjson.JSONDecodeError, TypeError, ValueError):
+                pass  # not JSON after all (or numbers orjson cannot hold): the bytes decide
+        return value
+    return _text(value)
 
 
 def _text(value: Any) -> str:
@@ -124,7 +141,7 @@ def canonical_item(item: Any) -> bytes:
         return canonical_message({"role": item.get("role"), "content": item.get("content")})
     if kind == "function_call":
         return orjson.dumps(["function_call", _text(item.get("call_id")),
-                             _text(item.get("name")), _text(item.get("arguments"))])
+                             _text(item.get("name")), _arguments(item.get("arguments"))])
     if kind == "function_call_output":
         output = item.get("output")
         return orjson.dumps(["function_call_output", _text(item.get("call_id")),

@@ -249,6 +249,50 @@ def test_a_sliding_window_that_drops_the_first_user_message_stays_one_trajectory
     assert sources == [NEW, PREFIX] + [WINDOW] * 10
 
 
+def test_tool_arguments_compare_by_the_json_they_hold():
+    """An SDK that parses the model's tool arguments and dumps them again (LangChain:
+    json.dumps) echoes the same call in other bytes: whitespace, key order, escapes."""
+    sent = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "book", "arguments": '{"city":"Zürich","nights":2}'}}]}
+    echo = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "call_1",
+         "function": {"name": "book", "arguments": '{"nights": 2, "city": "Z\\u00fcrich"}'}}]}
+    assert canonical_message(sent) == canonical_message(echo)
+    other = {**echo, "tool_calls": [{**echo["tool_calls"][0], "function": {
+        "name": "book", "arguments": '{"nights": 3, "city": "Zürich"}'}}]}
+    assert canonical_message(sent) != canonical_message(other)
+    # Arguments that are no JSON document are compared as they are.
+    for raw in ("3*3", "{not json", "", "[1, 2"):
+        plain = {**sent, "tool_calls": [{**sent["tool_calls"][0], "function": {
+            "name": "book", "arguments": raw}}]}
+        assert orjson.loads(canonical_message(plain))[2] == [["call_1", "book", raw]]
+    # Responses API function calls likewise.
+    call = {"type": "function_call", "call_id": "c1", "name": "book",
+            "arguments": '{"city":"Bern"}'}
+    assert canonical_item(call) == canonical_item({**call, "arguments": '{ "city": "Bern" }'})
+
+
+def test_a_window_finds_an_answer_whose_arguments_the_agent_dumped_again():
+    """Rule 4 keys the answer as the model sent it; a LangChain agent under
+    trim_messages(strategy="last") sends it back with json.dumps's spacing (decision 58)."""
+    index = TrajectoryIndex()
+    request = [SYSTEM, {"role": "user", "content": "book Bern"}]
+    answer = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+        {"id": "call_9", "type": "function",
+         "function": {"name": "book", "arguments": '{"city":"Bern","nights":1}'}}]}
+    index.record_chat(SCOPE, request, answer, "t-window")
+    echo = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "id": "call_9",
+         "function": {"name": "book", "arguments": '{"city": "Bern", "nights": 1}'}}]}
+    result = {"role": "tool", "tool_call_id": "call_9", "content": "booked"}
+    decision = chat(index, [SYSTEM, request[1], echo, result])
+    assert decision.source == PREFIX and decision.trajectory_id == "t-window"
+    decision = chat(index, [{"role": "system", "content": "budget: 3"}, request[1], echo,
+                            result])
+    assert decision.source == WINDOW and decision.trajectory_id == "t-window"
+
+
 def test_two_windowed_conversations_of_one_agent_stay_apart():
     index = TrajectoryIndex()
     first = _windowed_session(index, "acme", calls=8, keep=4)
