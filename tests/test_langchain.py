@@ -54,9 +54,10 @@ class Wire:
                            "headers": dict(response.headers)})
 
 
-def _model(base_url: str, secret: str, wire: Wire, streaming: bool = False):
+def _model(base_url: str, secret: str, wire: Wire, streaming: bool = False,
+           responses: bool = False):
     return ChatOpenAI(model="demo-model", base_url=base_url, api_key=secret, max_retries=0,
-                      timeout=30, streaming=streaming,
+                      timeout=30, streaming=streaming, use_responses_api=responses,
                       http_client=httpx.Client(event_hooks={"response": [wire.on_response]})
                       ).bind_tools([calculator])
 
@@ -68,7 +69,7 @@ def _turn(model, history: list, window=None) -> None:
         answer = model.invoke(window(history) if window else history)
         history.append(answer)
         if not answer.tool_calls:
-            assert answer.content.startswith("The tool returned: ")
+            assert answer.text.startswith("The tool returned: ")
             return
         for call in answer.tool_calls:
             history.append(ToolMessage(calculator.invoke(call["args"]),
@@ -82,25 +83,32 @@ def _built(steward_proxy, proxy_key, tmp_path, wires: list[Wire]) -> list[dict]:
     return records
 
 
-def _materialized(proxy_key, trajectory_id: str) -> list[list[dict]]:
+def _materialized(proxy_key, trajectory_id: str, key: str = "messages") -> list[list[dict]]:
     steps = list(Step.objects.filter(trajectory_id=trajectory_id).order_by("started_at", "id"))
     with tenant_context(proxy_key.tenant):
         full = observations(steps)
-    return [full[s.pk]["messages"] for s in steps]
+    return [full[s.pk][key] for s in steps]
 
 
 def _same_shape(got: list[dict], sent: list[dict]) -> None:
-    """The messages LangChain sent, one for one: roles, tool calls and their ids."""
-    assert [m["role"] for m in got] == [m["role"] for m in sent]
-    assert [m.get("tool_call_id") for m in got] == [m.get("tool_call_id") for m in sent]
-    assert [[c["id"] for c in m.get("tool_calls") or ()] for m in got] == [
-        [c["id"] for c in m.get("tool_calls") or ()] for m in sent]
+    """The messages (or Responses input items) LangChain sent, one for one: types, roles, tool
+    calls and their ids."""
+    def shape(m: dict) -> tuple:
+        return (m.get("type"), m.get("role"), m.get("tool_call_id") or m.get("call_id"),
+                [c["id"] for c in m.get("tool_calls") or ()])
+
+    assert [shape(m) for m in got] == [shape(m) for m in sent]
 
 
-def test_langchain_tool_loops_are_one_trajectory_each(steward_proxy, proxy_key, tmp_path):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_langchain_tool_loops_are_one_trajectory_each(steward_proxy, proxy_key, tmp_path, api):
+    """Chat completions, and the Responses API (`use_responses_api=True`: the whole input
+    resent as items, the model's function calls echoed back; rule 3b)."""
+    key = "messages" if api == "chat" else "input"
     wires = {name: Wire() for name in TURNS}
     models = {name: _model(steward_proxy.base_url, proxy_key.secret, wires[name],
-                           streaming=(name == "peter")) for name in TURNS}
+                           streaming=(name == "peter"), responses=(api == "responses"))
+              for name in TURNS}
     histories = {name: [SystemMessage(SYSTEM)] for name in TURNS}
     for turn in range(max(len(t) for t in TURNS.values())):  # the two interleaved
         for name, turns in TURNS.items():
@@ -121,11 +129,11 @@ def test_langchain_tool_loops_are_one_trajectory_each(steward_proxy, proxy_key, 
         s for name in TURNS for s in ["new"] + ["prefix"] * (2 * len(TURNS[name]) - 1)]
     for name, wire in wires.items():
         assert Trajectory.objects.get(pk=trajectories[name]).step_count == len(wire.calls)
-        sent = [c["body"]["messages"] for c in wire.calls]
+        sent = [c["body"][key] for c in wire.calls]
         # Each message once: the last call carried every message of the conversation.
         assert ConversationItem.objects.filter(trajectory_id=trajectories[name],
                                                kind="message").count() == len(sent[-1])
-        got = _materialized(proxy_key, trajectories[name])
+        got = _materialized(proxy_key, trajectories[name], key)
         customer = TURNS[name][0].split(" (")[0].split(" here")[0]
         for messages, want in zip(got, sent, strict=True):
             _same_shape(messages, want)
@@ -133,13 +141,16 @@ def test_langchain_tool_loops_are_one_trajectory_each(steward_proxy, proxy_key, 
         assert got[-1][0]["content"] == SYSTEM
 
 
-def test_langchain_trim_messages_window_is_one_trajectory(steward_proxy, proxy_key, tmp_path):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_langchain_trim_messages_window_is_one_trajectory(steward_proxy, proxy_key, tmp_path,
+                                                          api):
     """A context budget of 6 messages besides the system prompt: from the second turn on, every
     call that starts a turn has dropped the previous turn, its user message included, so no
     earlier request is a prefix of it; what ties it to the conversation is the previous call's
-    answer it carries, as LangChain sends it back (rule 4)."""
+    answer it carries, as LangChain sends it back (rule 4; over Responses input items too)."""
+    key = "messages" if api == "chat" else "input"
     wire = Wire()
-    model = _model(steward_proxy.base_url, proxy_key.secret, wire)
+    model = _model(steward_proxy.base_url, proxy_key.secret, wire, responses=(api == "responses"))
 
     def window(history: list) -> list:
         return trim_messages(history, max_tokens=7, token_counter=len, strategy="last",
@@ -152,7 +163,7 @@ def test_langchain_trim_messages_window_is_one_trajectory(steward_proxy, proxy_k
                                     f"{turn + 2}*{turn + 3}?"))
         _turn(model, history, window)
 
-    sent = [c["body"]["messages"] for c in wire.calls]
+    sent = [c["body"][key] for c in wire.calls]
     assert len(sent) == 2 * turns
     firsts = [m for m in sent[1:] if m[1]["content"].startswith("Anna Berg (anna.berg0@")]
     assert len(firsts) < len(sent) - 1, "the window never dropped the first user message"
@@ -170,7 +181,7 @@ def test_langchain_trim_messages_window_is_one_trajectory(steward_proxy, proxy_k
                 for m in messages}
     assert ConversationItem.objects.filter(trajectory_id=trajectory_id,
                                            kind="message").count() == len(distinct)
-    got = _materialized(proxy_key, trajectory_id)
+    got = _materialized(proxy_key, trajectory_id, key)
     for messages, want in zip(got, sent, strict=True):
         _same_shape(messages, want)
         assert "Anna Berg" not in json.dumps(messages)
