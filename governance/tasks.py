@@ -839,15 +839,6 @@ def build_group(tenant_id: int, pks: list[int], harness_version: str = "",
         claimed_ids = set(waiting.filter(interaction_id__in=take)[:len(take)])
         done["skipped"] = [pk for pk in pks if pk not in claimed_ids
                            and pk not in busy and pk not in split_off]
-        if claimed_ids and coalesce and len(claimed_ids) < BATCH_MAX and plan.held:
-            # The held sessions' own waiting calls first, oldest first: a session's backlog
-            # builds in batches of BATCH_MAX (one NER pass, one transaction each), not in
-            # slices as long as its share of the tenant's oldest waiting calls — with eight
-            # sessions behind, ~12 calls a batch (decision 59). Its lock is held already.
-            own = (pending.filter(trajectory_id__in=list(plan.held))
-                   .exclude(interaction_id__in=claimed_ids).order_by("interaction_id")
-                   .values_list("interaction_id", flat=True)[:BATCH_MAX - len(claimed_ids)])
-            claimed_ids |= set(waiting.filter(interaction_id__in=list(own)))
         if claimed_ids and coalesce and len(claimed_ids) < BATCH_MAX:
             # Only what this batch can hold is looked at, so it takes no lock it will not
             # use; what it leaves (busy, split) has tasks of its own.

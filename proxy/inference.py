@@ -118,8 +118,8 @@ def _arguments(value: Any) -> str:
         if value.lstrip()[:1] in ("{", "["):
             try:
                 return orjson.dumps(orjson.loads(value), option=orjson.OPT_SORT_KEYS).decode()
-            except (orjson.JSONDecodeError, TypeError, ValueError):
-                pass  # not JSON after all (or numbers orjson cannot hold): the bytes decide
+            except orjson.JSONDecodeError:  # not JSON after all, or numbers orjson cannot hold
+                pass
         return value
     return _text(value)
 

@@ -192,18 +192,18 @@ def test_a_backlog_of_two_sessions_is_split_even_when_few_of_their_calls_were_as
     assert (sorted(take), busy, split) == ([1, 2, 3, 4, 5], [], [])
 
 
-def _shipped_sessions(tenant, agent, tmp_path, calls: int, interleaved: bool,
-                      sessions: int = 2) -> tuple[tuple[str, ...], dict[str, list[int]]]:
-    """`sessions` sessions of `calls` calls each, shipped (pending, nothing built): their
-    calls alternate (`interleaved`, agents sending at once) or each session's all come before
-    the next's. Returns the trajectory ids and each one's interaction ids in call order."""
+def _shipped_sessions(tenant, agent, tmp_path, calls: int, interleaved: bool
+                      ) -> tuple[tuple[str, str], dict[str, list[int]]]:
+    """Two sessions of `calls` calls each, shipped (pending, nothing built): their calls
+    alternate (`interleaved`, two agents sending at once) or the first session's all come
+    first. Returns the two trajectory ids and each one's interaction ids in call order."""
     from governance.capture.shipper import ship_once
     from tests.pipeline import write_records
 
-    trajectories = tuple(str(uuid.uuid4()) for _ in range(sessions))
-    t0 = time.time() - 60 * sessions
+    trajectories = (str(uuid.uuid4()), str(uuid.uuid4()))
+    t0 = time.time() - 60
     records = [make_record(tenant.pk, agent.pk, trajectory_id=traj,
-                           t=t0 + (sessions * i + k if interleaved else calls * k + i),
+                           t=t0 + (2 * i + k if interleaved else calls * k + i),
                            request={"model": "m", "messages": [
                                {"role": "user", "content": f"Question {i} of {k}"}]},
                            response=chat_response(f"Answer {i}"))
@@ -244,28 +244,6 @@ def test_a_task_for_one_session_does_not_coalesce_an_older_waiting_session(
     done = build_group(tenant.pk, ids[newer][-1:], split=True)
     assert sorted(done["built"] + done["coalesced"]) == ids[newer]
     assert not Step.objects.filter(trajectory_id=older).exists()
-
-
-def test_a_worker_behind_many_sessions_builds_a_whole_session_backlog_in_one_batch(
-        tenant, agent, tmp_path, monkeypatch):
-    """Eight sessions of twelve calls waiting, interleaved (96 calls, more than a batch holds):
-    asked for the first call of each, a worker's batch takes the first session and all of its
-    twelve waiting calls, not only those among the tenant's oldest BATCH_MAX (eight of each
-    session), and leaves the other sessions to tasks of their own (decision 59)."""
-    from governance.tasks import BATCH_MAX, build_group, build_steps
-
-    sessions, calls = 8, 12
-    assert sessions * calls > BATCH_MAX and BATCH_MAX // sessions < calls
-    trajectories, ids = _shipped_sessions(tenant, agent, tmp_path, calls=calls,
-                                          interleaved=True, sessions=sessions)
-    asked: list[tuple] = []
-    monkeypatch.setattr(build_steps, "apply_async",
-                        lambda args, kwargs=None, **options: asked.append(args))
-    done = build_group(tenant.pk, sorted(ids[t][0] for t in trajectories), split=True)
-    assert sorted(done["built"] + done["coalesced"]) == ids[trajectories[0]]
-    assert asked == [(sorted(ids[t][0] for t in trajectories[1:]),)]
-    assert Step.objects.filter(trajectory_id=trajectories[0]).count() == calls
-    assert not Step.objects.exclude(trajectory_id=trajectories[0]).exists()
 
 
 def _wait_for(predicate, timeout: float, what: str, log) -> None:
