@@ -23,7 +23,6 @@ from django.contrib.postgres.indexes import GinIndex
 from django.core.exceptions import ObjectDoesNotExist
 from django.db import DataError, models
 from django.db.models import Lookup
-from django.db.models.fields.json import KeyTransform
 
 # The scoped manager of every tenant model: it filters by the current tenant scope itself.
 from governance.subject_keys import OPCLASS, UUID_OPCLASS
@@ -358,25 +357,151 @@ class PendingInteraction(models.Model):
                                 name="pending_tenant_state")]
 
 
-class ActionField(models.JSONField):
-    """A step's `action` (JSONB). A Responses API action keeps its native `output` items and
+class PackedJSONField(models.BinaryField):
+    """A JSON value stored as zlib over its compact JSON (a bytea), read back as the value.
+
+    For values written once and read whole, never queried into with SQL: conversation items
+    (decision 40). PostgreSQL compresses a JSONB value with pglz, and only once its row passes
+    ~2 KB; zlib keeps ~30 % fewer bytes of the bench's messages, small ones included. The
+    blob is a zlib stream (first byte 0x78); another first byte would be another format."""
+
+    description = "JSON, zlib-compressed"
+    # A NUL character in a JSON string: `\u0000` after an even number of backslashes (an odd
+    # number in all starts the escape).
+    _NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+    @classmethod
+    def pack(cls, value: Any) -> bytes:
+        """zlib over the value's JSON. Refuses, as JSONB does (DataError), a string holding
+        NUL: what PostgreSQL cannot hold as JSON stays refused at the same place (the step
+        builder quarantines that call), nothing later copies one into a JSONB column, and
+        migration 0033's reverse never meets one."""
+        return zlib.compress(cls._json(value), 6)
+
+    @classmethod
+    def _json(cls, value: Any) -> bytes:
+        data = orjson.dumps(value)
+        if cls._NUL.search(data):
+            raise DataError("unsupported Unicode escape sequence: \\u0000 cannot be stored "
+                            "in a JSON value")
+        return data
+
+    @classmethod
+    def unpack(cls, blob: bytes | memoryview) -> Any:
+        return orjson.loads(zlib.decompress(bytes(blob)))
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        return None if value is None else self.unpack(value)
+
+    def to_python(self, value: Any) -> Any:
+        # A str is a JSON value like any other here (an `instructions` item is one), never a
+        # serialized form: value_to_string hands serializers the value itself, as JSONField.
+        if isinstance(value, (bytes, memoryview)):
+            return self.unpack(value)
+        return value
+
+    def get_db_prep_value(self, value: Any, connection: Any, prepared: bool = False) -> Any:
+        if value is None:
+            return None
+        return super().get_db_prep_value(self.pack(value), connection, prepared)
+
+    def value_to_string(self, obj: Any) -> Any:
+        return self.value_from_object(obj)
+
+
+# The preset dictionary of StepJSONField's format 1 (decision 60): the OpenAI wire vocabulary
+# and the shapes of a step's action, usage, timings and versions, most common last (deflate
+# codes nearer matches in fewer bits). Rows packed with it can only be read with these exact
+# bytes: never edit it; a better dictionary is format 2, with its own first byte.
+STEP_JSON_DICTIONARY_1 = orjson.dumps([
+    {"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "text": None},
+    {"context_update": {"id": 1, "version": 1, "hash": ""}, "context_updates": [
+        {"id": 1, "version": 1, "hash": "", "kind": "system_prompt"}],
+     "route": {"id": 1, "arm": "canary"}, "gen_ai.request.model": "",
+     "gen_ai.response.model": "", "system_prompt_hash": None, "tool_schema_hash": None},
+    {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0},
+    {"finish_reason": "stop", "status": "completed", "output": [
+        {"type": "reasoning", "id": "rs_", "summary": [{"type": "summary_text", "text": ""}],
+         "encrypted_content": None},
+        {"type": "function_call", "id": "fc_", "call_id": "call_", "name": "",
+         "arguments": "{\"", "status": "completed"},
+        {"type": "message", "id": "msg_", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}]},
+    {"raw": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+             "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+             "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                           "accepted_prediction_tokens": 0,
+                                           "rejected_prediction_tokens": 0}}},
+    {"messages": [{"role": "assistant", "content": "", "refusal": None, "annotations": []}],
+     "finish_reason": "stop"},
+    {"harness_version": "steward-proxy/0.1"},
+    {"ttfb_ms": 0.0, "duration_ms": 0.0},
+    {"raw": {"total_tokens": 0, "prompt_tokens": 0, "completion_tokens": 0}},
+    {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_", "type": "function", "function": {"name": "", "arguments": "{\""}}]}],
+     "finish_reason": "tool_calls"},
+])
+STEP_JSON_FORMAT_1 = b"\x01"
+# A JSON text starts with one of these (after no whitespace: orjson writes none); neither
+# format byte (0x01, zlib's 0x78 'x') is one.
+_JSON_START = frozenset(b'{["-0123456789tfn')
+
+
+class StepJSONField(PackedJSONField):
+    """The small JSON values of a step row (action, usage, timings, versions) in a bytea,
+    compressed against a preset dictionary (decision 60). As JSONB they were ~620 bytes of a
+    1 KB step row on recorded support sessions (tau-bench): JSONB keeps every key and an
+    offset table, and PostgreSQL compresses nothing under ~2 KB; against the dictionary the
+    same values take ~210. Written once, read whole, never queried into with SQL.
+
+    The blob's first byte says its format: 0x01, raw deflate with STEP_JSON_DICTIONARY_1 as
+    preset dictionary; a JSON text as it is (what migration 0036 turned the JSONB rows into,
+    and any value the dictionary does not make smaller, such as {}); 0x78, a zlib stream
+    (PackedJSONField's, read for completeness)."""
+
+    description = "JSON, compressed against a preset dictionary"
+
+    @classmethod
+    def pack(cls, value: Any) -> bytes:
+        plain = cls._json(value)
+        deflate = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zdict=STEP_JSON_DICTIONARY_1)
+        packed = STEP_JSON_FORMAT_1 + deflate.compress(plain) + deflate.flush()
+        return packed if len(packed) < len(plain) else plain
+
+    @classmethod
+    def unpack(cls, blob: bytes | memoryview) -> Any:
+        data = bytes(blob)
+        if data[:1] == STEP_JSON_FORMAT_1:
+            inflate = zlib.decompressobj(-15, zdict=STEP_JSON_DICTIONARY_1)
+            return orjson.loads(inflate.decompress(data[1:]) + inflate.flush())
+        if data[:1] == b"\x78":
+            return orjson.loads(zlib.decompress(data))
+        if data[:1] and data[0] in _JSON_START:
+            return orjson.loads(data)
+        raise ValueError(f"a step JSON value of unknown format (first byte {data[:1]!r})")
+
+
+class ActionField(StepJSONField):
+    """A step's `action`. A Responses API action keeps its native `output` items and
     not the chat-style `messages` read from them: those are a pure function of the items
     (wire.openai.responses_message), dropped on write only when they are exactly that reading
     and rebuilt on every read, so readers see the action as it was built (decision 55). It
     was ~320 bytes a step, the answer's third copy after `output` and the next call's items.
     Actions stored whole (other endpoints, steps built before) are read as they are."""
 
-    def get_prep_value(self, value: Any) -> Any:
-        value = super().get_prep_value(value)
+    @classmethod
+    def pack(cls, value: Any) -> bytes:
         if (isinstance(value, dict) and isinstance(value.get("output"), list)
                 and value.get("messages") == [responses_message(value["output"])]):
             value = {k: v for k, v in value.items() if k != "messages"}
-        return value
+        return super().pack(value)
 
-    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
-        value = super().from_db_value(value, expression, connection)
+    @classmethod
+    def unpack(cls, blob: bytes | memoryview) -> Any:
+        value = super().unpack(blob)
         if (isinstance(value, dict) and isinstance(value.get("output"), list)
-                and "messages" not in value and not isinstance(expression, KeyTransform)):
+                and "messages" not in value):
             value["messages"] = [responses_message(value["output"])]
         return value
 
@@ -413,9 +538,10 @@ class Step(models.Model):
     # Assistant message(s), tool calls, finish reason (a Responses action: see ActionField).
     action = ActionField(default=dict)
     tokens = models.JSONField(default=dict)  # token ids / logprobs when the upstream returns them
-    usage = models.JSONField(default=dict)
-    timings = models.JSONField(default=dict)
-    versions = models.JSONField(default=dict)
+    # Packed against a preset dictionary (StepJSONField, decision 60), as `action` is.
+    usage = StepJSONField(default=dict)
+    timings = StepJSONField(default=dict)
+    versions = StepJSONField(default=dict)
     metadata = models.JSONField(default=dict)
     error = models.JSONField(null=True, blank=True)
     classification = models.CharField(max_length=32, default="internal")
@@ -483,54 +609,6 @@ class Step(models.Model):
     def set_full_observation(self, value: dict) -> None:
         """The materialized observation, computed for many steps at once."""
         self.__dict__["_full_observation"] = value
-
-class PackedJSONField(models.BinaryField):
-    """A JSON value stored as zlib over its compact JSON (a bytea), read back as the value.
-
-    For values written once and read whole, never queried into with SQL: conversation items
-    (decision 40). PostgreSQL compresses a JSONB value with pglz, and only once its row passes
-    ~2 KB; zlib keeps ~30 % fewer bytes of the bench's messages, small ones included. The
-    blob is a zlib stream (first byte 0x78); another first byte would be another format."""
-
-    description = "JSON, zlib-compressed"
-    # A NUL character in a JSON string: `\u0000` after an even number of backslashes (an odd
-    # number in all starts the escape).
-    _NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
-
-    @classmethod
-    def pack(cls, value: Any) -> bytes:
-        """zlib over the value's JSON. Refuses, as JSONB does (DataError), a string holding
-        NUL: what PostgreSQL cannot hold as JSON stays refused at the same place (the step
-        builder quarantines that call), nothing later copies one into a JSONB column, and
-        migration 0033's reverse never meets one."""
-        data = orjson.dumps(value)
-        if cls._NUL.search(data):
-            raise DataError("unsupported Unicode escape sequence: \\u0000 cannot be stored "
-                            "in a JSON value")
-        return zlib.compress(data, 6)
-
-    @staticmethod
-    def unpack(blob: bytes | memoryview) -> Any:
-        return orjson.loads(zlib.decompress(bytes(blob)))
-
-    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
-        return None if value is None else self.unpack(value)
-
-    def to_python(self, value: Any) -> Any:
-        # A str is a JSON value like any other here (an `instructions` item is one), never a
-        # serialized form: value_to_string hands serializers the value itself, as JSONField.
-        if isinstance(value, (bytes, memoryview)):
-            return self.unpack(value)
-        return value
-
-    def get_db_prep_value(self, value: Any, connection: Any, prepared: bool = False) -> Any:
-        if value is None:
-            return None
-        return super().get_db_prep_value(self.pack(value), connection, prepared)
-
-    def value_to_string(self, obj: Any) -> Any:
-        return self.value_from_object(obj)
-
 
 class ConversationItem(models.Model):
     """One distinct message of a trajectory's conversation (or its tool schema set, or the

@@ -36,6 +36,7 @@ from governance.models import (
     PackedJSONField,
     Reward,
     Step,
+    StepJSONField,
     SubjectIndex,
     SuppressedSubject,
     Trajectory,
@@ -446,6 +447,9 @@ def test_end_to_end_erasure_through_the_proxy(steward_proxy, proxy_key, make_mem
         with connection.cursor() as cur:
             cur.execute("SELECT content FROM governance_conversationitem")
             items = [PackedJSONField.unpack(row[0]) for row in cur.fetchall()]
+            # So are a step's action, usage, timings and versions (decision 60).
+            cur.execute("SELECT action, usage, timings, versions FROM governance_step")
+            items += [StepJSONField.unpack(v) for row in cur.fetchall() for v in row]
         assert EMAIL not in json.dumps(items, ensure_ascii=False).lower()
         for root in (var_dir, steward_proxy.spool_dir):
             assert _files_containing(root, EMAIL.encode()) == []

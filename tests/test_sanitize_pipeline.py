@@ -103,7 +103,20 @@ def all_rows_text(trajectory_ids: list[str]) -> str:
                     "FROM governance_conversationitem) c "
                     "WHERE c.trajectory_id::text = ANY(%s)", [ids]),
         item_contents_text(ids),
+        step_json_text(ids),
     ])
+
+
+def step_json_text(trajectory_ids: list[str]) -> str:
+    """The steps' action, usage, timings and versions (packed against a preset dictionary,
+    decision 60; hex in row_to_json) as JSON text."""
+    from governance.models import StepJSONField
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT action, usage, timings, versions FROM governance_step "
+                    "WHERE trajectory_id::text = ANY(%s)", [trajectory_ids])
+        return "\n".join(json.dumps([StepJSONField.unpack(v) for v in row], ensure_ascii=False)
+                         for row in cur.fetchall())
 
 
 def item_contents_text(trajectory_ids: list[str]) -> str:

@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 
 from governance.capture.atdp import trajectory_document
-from governance.models import Finding, Step, Trajectory
+from governance.models import Finding, Step, StepJSONField, Trajectory
 from governance.tenancy import tenant_context
 from tests.govdata import make_trajectory
 from tests.pipeline import chat_response, make_record, ship_and_build
@@ -37,10 +37,11 @@ def agent(tenant):
 
 
 def stored_action(step_id: uuid.UUID) -> dict:
-    """The column as PostgreSQL holds it, past the field's reading."""
+    """The column as PostgreSQL holds it, unpacked (decision 60) but past ActionField's
+    reading."""
     with connection.cursor() as cur:
-        cur.execute("SELECT action::text FROM governance_step WHERE id = %s", [step_id])
-        return json.loads(cur.fetchone()[0])
+        cur.execute("SELECT action FROM governance_step WHERE id = %s", [step_id])
+        return StepJSONField.unpack(cur.fetchone()[0])
 
 
 def build_one(tenant, agent, tmp_path, endpoint: str, request: dict, response: dict) -> Step:
@@ -111,8 +112,9 @@ def test_a_step_stored_whole_before_reads_as_it_was(tenant, agent):
         step = Step.objects.create(id=uuid.uuid4(), tenant=tenant, trajectory=traj,
                                    endpoint="responses", started_at=traj.started_at, action={})
         with connection.cursor() as cur:
-            cur.execute("UPDATE governance_step SET action = %s::jsonb WHERE id = %s",
-                        [json.dumps(before), step.pk])
+            # As migration 0036 left such a row: its JSON text.
+            cur.execute("UPDATE governance_step SET action = convert_to(%s, 'UTF8') "
+                        "WHERE id = %s", [json.dumps(before), step.pk])
         assert Step.objects.get(pk=step.pk).action == before
 
 

@@ -1,9 +1,11 @@
 """Step.action becomes governance.models.ActionField (decision 55): a Responses API action is
 stored without the chat-style `messages` that its `output` items determine, and reads them back.
-No SQL: the column stays JSONB, and rows stored whole before are read as they are."""
+No SQL: the column stays JSONB, and rows stored whole before are read as they are.
 
-import governance.models
-from django.db import migrations
+The state names a plain JSONField: ActionField is a bytea field since 0036 (decision 60), and a
+migration that named the live class would turn the column into one here."""
+
+from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
@@ -16,6 +18,6 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name='step',
             name='action',
-            field=governance.models.ActionField(default=dict),
+            field=models.JSONField(default=dict),
         ),
     ]
