@@ -122,6 +122,24 @@ def calls(args: argparse.Namespace) -> list[tuple[str, dict, dict, str]]:
     return order + oneoff + flat[si:]
 
 
+# A step's columns stored packed (decision 60: bytea, hex in row_to_json), read as the JSON
+# values they hold, so a checkout that stores them as JSONB builds the same digest.
+PACKED_STEP_COLUMNS = ("action", "usage", "timings", "versions")
+
+
+def unpacked(table: str, row: dict) -> dict:
+    if table != "step":
+        return row
+    for column in PACKED_STEP_COLUMNS:
+        value = row.get(column)
+        if isinstance(value, str) and value.startswith("\\x"):
+            # Only a checkout that packs them has the field (a baseline's are JSONB).
+            from governance.models import StepJSONField
+
+            row[column] = StepJSONField.unpack(bytes.fromhex(value[2:]))
+    return row
+
+
 def digest_output() -> tuple[str, dict[str, int]]:
     from django.db import connection
 
@@ -132,7 +150,7 @@ def digest_output() -> tuple[str, dict[str, int]]:
             cur.execute(f"SELECT row_to_json(t)::text FROM governance_{table} t")  # noqa: S608
             rows = []
             for (text,) in cur.fetchall():
-                row = json.loads(text)
+                row = unpacked(table, json.loads(text))
                 rows.append(json.dumps({k: v for k, v in row.items() if k not in VOLATILE},
                                        sort_keys=True))
             rows.sort()
