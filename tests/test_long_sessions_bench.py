@@ -292,6 +292,9 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
     assert (runs["session"]["trajectories"], runs["session"]["steps_per_trajectory"]) == (1, [3, 3])
     assert (runs["one-off"]["trajectories"], runs["one-off"]["steps_per_trajectory"]) == (3, [1, 1])
     assert runs["session"]["new_bytes_per_call"] == runs["one-off"]["new_bytes_per_call"]
+    # The system prompt and tools: once for the session's three calls, at each one-off call.
+    assert runs["one-off"]["opening_bytes_per_call"] > 2 * runs["session"][
+        "opening_bytes_per_call"] > 0
     assert shape["ner_floor_calls_per_s"] > 0
     assert shape["paced"]["rate"] < runs["session"]["calls_per_s"]
     # The backlog runs: built after the worker (stopped while the calls were sent) was ready.
@@ -302,7 +305,8 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
         assert abs(3 / backlog["drain_calls_per_s"] - backlog["drain_s"]) <= 0.006, backlog
     # The printed table names every figure side by side.
     for label in ("time until every step is sanitized", "database growth MB",
-                  "ATDP documents MB", "database bytes / new byte", "NER floor calls/s",
+                  "ATDP documents MB", "database bytes / new byte",
+                  "with openings counted as new", "NER floor calls/s",
                   "session/1-off", "issue 16's table", "session KB per call by table",
                   "one-off KB per call by table", "open the last call's raw payload ms",
                   "raw payloads sealed whole", "session worker", "one-off worker",
