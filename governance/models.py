@@ -25,6 +25,7 @@ from django.db import DataError, models
 from django.db.models import Lookup
 
 # The scoped manager of every tenant model: it filters by the current tenant scope itself.
+from governance.capture.presets import deflate, inflate
 from governance.subject_keys import OPCLASS, UUID_OPCLASS
 from governance.tenancy import TenantManager, TenantQuerySet  # noqa: F401
 from wire.openai import responses_message
@@ -465,16 +466,14 @@ class StepJSONField(PackedJSONField):
     @classmethod
     def pack(cls, value: Any) -> bytes:
         plain = cls._json(value)
-        deflate = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zdict=STEP_JSON_DICTIONARY_1)
-        packed = STEP_JSON_FORMAT_1 + deflate.compress(plain) + deflate.flush()
+        packed = STEP_JSON_FORMAT_1 + deflate(plain, STEP_JSON_DICTIONARY_1)
         return packed if len(packed) < len(plain) else plain
 
     @classmethod
     def unpack(cls, blob: bytes | memoryview) -> Any:
         data = bytes(blob)
         if data[:1] == STEP_JSON_FORMAT_1:
-            inflate = zlib.decompressobj(-15, zdict=STEP_JSON_DICTIONARY_1)
-            return orjson.loads(inflate.decompress(data[1:]) + inflate.flush())
+            return orjson.loads(inflate(data[1:], STEP_JSON_DICTIONARY_1, "step JSON value"))
         if data[:1] == b"\x78":
             return orjson.loads(zlib.decompress(data))
         if data[:1] and data[0] in _JSON_START:

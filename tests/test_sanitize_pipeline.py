@@ -59,7 +59,7 @@ from governance.sanitizing import BINARY_MARKER, finish_fields, sanitize_exchang
 from governance.tenancy import tenant_context
 from tests.live import database_url_from_django
 from tests.live import master_key as live_master_key
-from tests.pipeline import chat_response, make_record, ship_and_build
+from tests.pipeline import chat_response, make_record, packed_values_text, ship_and_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,33 +102,8 @@ def all_rows_text(trajectory_ids: list[str]) -> str:
                     "kind, digest, sanitizer_version, first_step, created_at "
                     "FROM governance_conversationitem) c "
                     "WHERE c.trajectory_id::text = ANY(%s)", [ids]),
-        item_contents_text(ids),
-        step_json_text(ids),
+        packed_values_text(ids),
     ])
-
-
-def step_json_text(trajectory_ids: list[str]) -> str:
-    """The steps' action, usage, timings and versions (packed against a preset dictionary,
-    decision 60; hex in row_to_json) as JSON text."""
-    from governance.models import StepJSONField
-
-    with connection.cursor() as cur:
-        cur.execute("SELECT action, usage, timings, versions FROM governance_step "
-                    "WHERE trajectory_id::text = ANY(%s)", [trajectory_ids])
-        return "\n".join(json.dumps([StepJSONField.unpack(v) for v in row], ensure_ascii=False)
-                         for row in cur.fetchall())
-
-
-def item_contents_text(trajectory_ids: list[str]) -> str:
-    """The conversation items' content (zlib'd JSON, decision 40) as JSON text, read as the
-    superuser outside any scope."""
-    from governance.models import PackedJSONField
-
-    with connection.cursor() as cur:
-        cur.execute("SELECT content FROM governance_conversationitem "
-                    "WHERE trajectory_id::text = ANY(%s)", [trajectory_ids])
-        return "\n".join(json.dumps(PackedJSONField.unpack(row[0]), ensure_ascii=False)
-                         for row in cur.fetchall())
 
 
 def assert_clean(text: str) -> None:

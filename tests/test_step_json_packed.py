@@ -100,6 +100,12 @@ def test_the_formats_read_and_what_is_refused():
         StepJSONField.unpack(b"\x02abc")
     with pytest.raises(ValueError, match="unknown format"):
         StepJSONField.unpack(b"")
+    # A packed value cut short, or with bytes after its end, says so (not a JSON error).
+    packed = StepJSONField.pack(value)
+    with pytest.raises(ValueError, match="truncated step JSON value"):
+        StepJSONField.unpack(packed[:-2])
+    with pytest.raises(ValueError, match="bytes after its end"):
+        StepJSONField.unpack(packed + b"\x00")
     # What JSONB refuses stays refused: the step builder quarantines such a call.
     with pytest.raises(DataError):
         StepJSONField.pack({"messages": [{"content": "a\x00b"}]})

@@ -35,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from governance.capture.presets import deflate, inflate
 from governance.capture.varints import Reader, put
 
 # The detail of one finding, in this order (what the sanitizer reports, governance.sanitizer).
@@ -65,8 +66,6 @@ ZDICT_V2 = "\x00".join((
     "person_key", "phone", "email", "STREET_ADDRESS", "PHONE_NUMBER", "EMAIL_ADDRESS", "PERSON",
     "$.messages[", "].content", "placeholder",
 )).encode()
-# Raw deflate (no zlib header or checksum: the row's own storage is what keeps it intact).
-_WBITS = -15
 
 
 def clean(finding: dict[str, Any]) -> dict[str, Any]:
@@ -120,8 +119,7 @@ def pack(findings: Iterable[dict[str, Any]]) -> bytes:
         data = text.encode()
         _varint(len(data), head)
         head += data
-    deflate = zlib.compressobj(9, zlib.DEFLATED, _WBITS, 9, zdict=ZDICT_V2)
-    return MAGIC + deflate.compress(bytes(head + body)) + deflate.flush()
+    return MAGIC + deflate(bytes(head + body), ZDICT_V2)
 
 
 def pack_v1(findings: Iterable[dict[str, Any]]) -> bytes:
@@ -141,10 +139,7 @@ def pack_v1(findings: Iterable[dict[str, Any]]) -> bytes:
 
 
 def _unpack_v2(blob: bytes) -> list[dict[str, Any]]:
-    inflate = zlib.decompressobj(_WBITS, zdict=ZDICT_V2)
-    data = inflate.decompress(blob[len(MAGIC):]) + inflate.flush()
-    if not inflate.eof or inflate.unused_data:
-        raise ValueError("truncated findings blob, or bytes after its end")
+    data = inflate(blob[len(MAGIC):], ZDICT_V2, WHAT)
     r = Reader(data, WHAT)
     strings = [r.take(r.varint()).decode() for _ in range(r.varint())]
     n = r.varint()
