@@ -24,9 +24,10 @@ from django.core.exceptions import ObjectDoesNotExist
 from django.db import DataError, models
 from django.db.models import Lookup
 
-# The scoped manager of every tenant model: it filters by the current tenant scope itself.
 from governance.capture.presets import deflate, inflate
 from governance.subject_keys import OPCLASS, UUID_OPCLASS
+
+# The scoped manager of every tenant model: it filters by the current tenant scope itself.
 from governance.tenancy import TenantManager, TenantQuerySet  # noqa: F401
 from wire.openai import responses_message
 

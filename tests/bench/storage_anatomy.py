@@ -100,34 +100,44 @@ def _storage(cur: Any, table: str) -> tuple[int, dict[str, int]]:
     return heap, dict(indexes)
 
 
+def _payload_sql(table: str) -> str:
+    """SQL summing a row's payload columns (alias x)."""
+    return " + ".join(f"coalesce(pg_column_size(x.{c}), 0)" for c in PAYLOAD[table]) or "0"
+
+
 def _rows(cur: Any, table: str, where: str, params: list[Any]) -> tuple[int, int, int]:
     """(rows, bytes of those rows with line pointers, bytes of their payload columns)."""
-    payload = " + ".join(f"coalesce(pg_column_size(x.{c}), 0)" for c in PAYLOAD[table]) or "0"
     cur.execute(f"SELECT count(*), coalesce(sum(pg_column_size(x.*)), 0), "  # noqa: S608
-                f"coalesce(sum({payload}), 0) FROM {table} x WHERE {where}", params)
+                f"coalesce(sum({_payload_sql(table)}), 0) FROM {table} x WHERE {where}",
+                params)
     n, row_bytes, payload_bytes = cur.fetchone()
     return int(n), int(row_bytes) + LINE_POINTER * int(n), int(payload_bytes)
 
 
-def _share(cur: Any, table: str, n: int, row_bytes: int, heap: int,
-           indexes: dict[str, int]) -> tuple[int, dict[str, int]]:
-    """(this agent's share of the table's page slack, of each index) for rows of n and
-    row_bytes."""
-    all_n, all_bytes, _ = _rows(cur, table, "TRUE", [])
-    if not all_n:
-        return 0, {name: 0 for name in indexes}
-    slack = max(0, heap - all_bytes) * row_bytes / all_bytes if all_bytes else 0
-    return round(slack), {name: round(size * n / all_n) for name, size in indexes.items()}
+def _whole_tables(cur: Any) -> dict[str, dict[str, Any]]:
+    """Per table, once for all agents: its heap and index bytes and all its rows' bytes."""
+    out = {}
+    for table in AGENT_ROWS:
+        heap, indexes = _storage(cur, table)
+        n, row_bytes, _ = _rows(cur, table, "TRUE", [])
+        out[table] = {"heap": heap, "indexes": indexes, "rows": n, "row_bytes": row_bytes}
+    return out
 
 
-def _table_costs(cur: Any, agent_id: int) -> dict[str, dict[str, Any]]:
+def _table_costs(cur: Any, agent_id: int, whole: dict[str, dict[str, Any]]
+                 ) -> dict[str, dict[str, Any]]:
+    """The agent's rows per table, and its share of each table's page slack (by row bytes)
+    and of each index (by row count)."""
     out = {}
     for table, where in AGENT_ROWS.items():
         n, row_bytes, payload = _rows(cur, table, where, [agent_id])
-        heap, indexes = _storage(cur, table)
-        slack, index_share = _share(cur, table, n, row_bytes, heap, indexes)
+        w = whole[table]
+        slack = (max(0, w["heap"] - w["row_bytes"]) * row_bytes / w["row_bytes"]
+                 if w["row_bytes"] else 0)
+        index_share = {name: round(size * n / w["rows"]) if w["rows"] else 0
+                       for name, size in w["indexes"].items()}
         out[table] = {"rows": n, "payload": payload, "row": row_bytes - payload,
-                      "slack": slack, "index": sum(index_share.values()),
+                      "slack": round(slack), "index": sum(index_share.values()),
                       "indexes": index_share}
     return out
 
@@ -174,9 +184,7 @@ def _echoes_and_openings(cur: Any, agent_id: int, tables: dict[str, dict[str, An
             tables["governance_conversationitem"])
         found = {}
         for table in ("governance_finding", "governance_subjectindex"):
-            payload = " + ".join(f"coalesce(pg_column_size(x.{c}), 0)"
-                                 for c in PAYLOAD[table])
-            cur.execute(f"SELECT count(*), coalesce(sum({payload}), 0) "  # noqa: S608
+            cur.execute(f"SELECT count(*), coalesce(sum({_payload_sql(table)}), 0) "  # noqa: S608
                         f"FROM {table} x WHERE x.item_id = ANY(%s)", [list(ids)])
             n, data = cur.fetchone()
             found[table] = int(data) + int(n) * _unit_cost(tables[table])
@@ -201,10 +209,10 @@ def anatomy(agent_names: list[str] | None = None) -> list[dict[str, Any]]:
                     "FROM governance_agent a JOIN governance_trajectory t ON t.agent_id = a.id "
                     "JOIN governance_step s ON s.trajectory_id = t.id "
                     "GROUP BY a.id, a.name ORDER BY a.id")
-        for agent_id, name, calls, trajectories in cur.fetchall():
-            if agent_names is not None and name not in agent_names:
-                continue
-            tables = _table_costs(cur, agent_id)
+        agents = [a for a in cur.fetchall() if agent_names is None or a[1] in agent_names]
+        whole = _whole_tables(cur) if agents else {}
+        for agent_id, name, calls, trajectories in agents:
+            tables = _table_costs(cur, agent_id, whole)
             out.append({"agent": name, "calls": int(calls), "trajectories": int(trajectories),
                         "tables": tables, **_echoes_and_openings(cur, agent_id, tables)})
     return out
