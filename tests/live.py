@@ -193,7 +193,8 @@ def serve_app(app: Any) -> tuple[str, Any]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
+    # No access log: its lines would print after pytest's capture has closed.
+    runner = web.AppRunner(app, access_log=None)
     ready = threading.Event()
 
     async def start() -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from datetime import timedelta
+from collections import Counter
+from datetime import datetime, timedelta
 
 import pytest
 from django.utils import timezone
@@ -62,7 +63,8 @@ def test_overview_charts_count_calls_per_agent_and_hour(client, make_member, ten
     billing, support = agents
     now = timezone.now()
     hour_ago = now - timedelta(hours=2)
-    make_trajectory(tenant, billing, steps=3, started=now - timedelta(seconds=30))
+    recent = now - timedelta(seconds=30)
+    make_trajectory(tenant, billing, steps=3, started=recent)
     make_trajectory(tenant, billing, steps=1, started=hour_ago)
     make_trajectory(tenant, support, steps=2, started=hour_ago)
     make_trajectory(tenant, support, steps=5, started=now - timedelta(days=3))  # outside
@@ -73,14 +75,27 @@ def test_overview_charts_count_calls_per_agent_and_hour(client, make_member, ten
     assert len(calls["labels"]) == 24
     series = {d["label"]: d["data"] for d in calls["datasets"]}
     assert set(series) == {"billing-bot", "support-bot"}
-    assert series["billing-bot"][-1] == 3 and series["billing-bot"][-3] == 1
-    assert series["support-bot"][-3] == 2 and sum(series["support-bot"]) == 2
+
+    # The expected bars from the steps' own times (make_trajectory spaces them 1 s apart): a
+    # run a few seconds after the hour puts some of the "30 s ago" steps in the hour before.
+    def hour_of(at: datetime) -> datetime:
+        return timezone.localtime(at).replace(minute=0, second=0, microsecond=0)
+
+    def bucket(at: datetime) -> int:  # -1 is the current hour's bar
+        return -1 - int((hour_of(now) - hour_of(at)) / timedelta(hours=1))
+
+    def bars(*starts: tuple[datetime, int]) -> Counter:
+        return Counter(bucket(at + timedelta(seconds=i)) for at, n in starts for i in range(n))
+
+    want_billing, want_support = bars((recent, 3), (hour_ago, 1)), bars((hour_ago, 2))
+    assert {i: n for i, n in enumerate(series["billing-bot"], -24) if n} == want_billing
+    assert {i: n for i, n in enumerate(series["support-bot"], -24) if n} == want_support
     assert calls["labels"][-1] == timezone.localtime(now).strftime("%H:00")
     # Capture lag: the steps were built now, their calls were made 2 h ago -> ~7200 s.
     lag = chart(body, "chart-lag")
     p50 = {d["label"]: d["data"] for d in lag["datasets"]}["p50"]
-    assert 7100 < p50[-3] < 7300
-    assert p50[-1] is not None and p50[-1] < 60
+    assert 7100 < p50[bucket(hour_ago)] < 7300
+    assert p50[bucket(recent)] is not None and p50[bucket(recent)] < 60
     assert ">6</span> calls, last 24 h" in body
 
 

@@ -4,10 +4,13 @@ and its clear errors when PostgreSQL or Redis is not there."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,8 +255,54 @@ def test_the_table_shows_the_median_repetition():
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+    """Run the bench in a process group of its own. On its timeout, or pytest-timeout's, the
+    whole group goes: subprocess.run would kill the bench alone and leave its appliance
+    (mitmdump, shipper, celery) loading the tests after it (CI of dfd87c5)."""
+    proc = _start_bench(*args)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        _stop_group(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _start_bench(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(BENCH), *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+
+
+def _group_members(pgid: int) -> dict[int, str]:
+    """{pid: command line} of the live processes in process group `pgid` (Linux /proc)."""
+    members = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue  # gone while we read
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members[int(stat.parent.name)] = cmdline
+    return members
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM first, so the bench's own cleanup drops its database and stops its children;
+    SIGKILL to the group for whatever is left after 20 s."""
+    for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig is signal.SIGTERM:  # the bench is gone; its children may not be
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        return
 
 
 @pytest.mark.slow
@@ -378,6 +427,33 @@ def test_recorded_sessions_through_the_real_appliance(tmp_path):
     assert runs["session"]["trajectories"] == 2
     assert runs["one-off"]["trajectories"] == recorded["calls"]
     assert "2 recorded sessions" in proc.stdout and "2 recorded" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_stopped_run_takes_its_appliance_and_database_with_it():
+    """What _bench does on a timeout: the bench unwinds on SIGTERM, so its proxy, shipper and
+    worker stop and its throwaway database is dropped (before, a killed bench left them
+    running, loading the tests after it)."""
+    import psycopg
+
+    proc = _start_bench("--quick", "--paced-shape", "0", "--backlog-shape", "0")
+    deadline = time.monotonic() + 240
+    try:
+        while not any("celery" in c for c in _group_members(proc.pid).values()):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the bench's worker never started"
+            time.sleep(0.2)
+        assert any("mitmdump" in c or "proxy" in c for c in _group_members(proc.pid).values())
+    finally:
+        _stop_group(proc)
+    assert _group_members(proc.pid) == {}
+    stderr = proc.stderr.read() if proc.stderr and not proc.stderr.closed else ""
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    server = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    with psycopg.connect(server, autocommit=True) as conn:
+        left = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                            (f"steward_bench_{proc.pid}",)).fetchall()
+    assert left == []
 
 
 @pytest.mark.parametrize("option, url, service", [

@@ -122,6 +122,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -1649,8 +1650,15 @@ def window_note(window_kb: float, drops_first: bool = False) -> str:
     return f", a {window_kb:g} KB {'sliding ' if drops_first else ''}window"
 
 
+def _unwind_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A SIGTERM (a test's timeout stopping this run's process group) unwinds as Ctrl-C does,
+    # so `appliance` stops its processes and drops its database instead of leaving them.
+    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
     result = bench(args)
     print(summary_table(result))
     print(f"\nwall {result['wall_s']} s, warm-up {result['warmup_s']} s, worker restart "
