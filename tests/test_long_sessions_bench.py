@@ -26,6 +26,7 @@ from tests.bench.long_sessions import (
     median_repetition,
     message_bytes,
     new_texts,
+    parse_args,
     presidio_texts,
     recorded_items_answers,
     recorded_sessions,
@@ -449,7 +450,7 @@ def test_a_stopped_run_takes_its_appliance_and_database_with_it():
     assert _group_members(proc.pid) == {}
     stderr = proc.stderr.read() if proc.stderr and not proc.stderr.closed else ""
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    server = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    server = parse_args([]).pg  # the maintenance database the bench made its own one on
     with psycopg.connect(server, autocommit=True) as conn:
         left = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
                             (f"steward_bench_{proc.pid}",)).fetchall()
