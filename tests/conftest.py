@@ -6,6 +6,7 @@ database, STEWARD_TEST_DATABASE, default test_steward)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import sys
 
@@ -102,7 +103,7 @@ def django_db_setup(django_db_setup, django_db_blocker):
       tamper like a superuser would). tests/test_rls.py also runs flows on connections that are
       the app role throughout."""
     from django.conf import settings
-    from django.db import connection
+    from django.db import DatabaseError, connection
 
     from governance.tenancy import ensure_app_role, grant_app_privileges
 
@@ -117,6 +118,14 @@ def django_db_setup(django_db_setup, django_db_blocker):
     settings.STEWARD_DB_SCOPE_ROLE = APP_ROLE
     yield
     settings.STEWARD_DB_SCOPE_ROLE = previous
+    # A connection that a test's thread opened (a live server's, a fake upstream's) outlives
+    # the test, and pytest-django's DROP DATABASE then fails ("being accessed by other users")
+    # and leaves the test database on disk: end them first, as DROP DATABASE ... WITH (FORCE)
+    # would. A role that may not end them leaves them, as before.
+    with django_db_blocker.unblock(), contextlib.suppress(DatabaseError):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                           "WHERE datname = %s AND pid <> pg_backend_pid()", [name])
 
 
 @pytest.fixture
