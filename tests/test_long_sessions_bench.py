@@ -288,22 +288,24 @@ def _group_members(pgid: int) -> dict[int, str]:
     return members
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
+def _stop_group(proc: subprocess.Popen) -> str:
     """SIGTERM first, so the bench's own cleanup drops its database and stops its children;
-    SIGKILL to the group for whatever is left after 20 s."""
+    SIGKILL to the group for whatever is left after 20 s. Returns the bench's stderr."""
+    stderr = ""
     for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
-            proc.communicate(timeout=grace)
+            stderr = proc.communicate(timeout=grace)[1] or ""
         except subprocess.TimeoutExpired:
             continue
         if sig is signal.SIGTERM:  # the bench is gone; its children may not be
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-        return
+        break
+    return stderr
 
 
 @pytest.mark.slow
@@ -446,9 +448,8 @@ def test_a_stopped_run_takes_its_appliance_and_database_with_it():
             time.sleep(0.2)
         assert any("mitmdump" in c or "proxy" in c for c in _group_members(proc.pid).values())
     finally:
-        _stop_group(proc)
+        stderr = _stop_group(proc)
     assert _group_members(proc.pid) == {}
-    stderr = proc.stderr.read() if proc.stderr and not proc.stderr.closed else ""
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     server = parse_args([]).pg  # the maintenance database the bench made its own one on
     with psycopg.connect(server, autocommit=True) as conn:
