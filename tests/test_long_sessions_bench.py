@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.bench.long_sessions import (
@@ -38,6 +39,9 @@ from tests.bench.long_sessions import (
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "tests" / "bench" / "long_sessions.py"
+# For runs through the real appliance: above _bench's own 400 s limit, not the suite's 300 s:
+# on a slow day each run's worker restarts alone took ~45 s (CI of dfd87c5 timed out at 300 s).
+APPLIANCE_RUN_TIMEOUT = pytest.mark.timeout(450)
 
 
 def test_session_and_one_off_carry_the_same_new_messages():
@@ -275,16 +279,14 @@ def _start_bench(*args: str) -> subprocess.Popen:
 
 
 def _group_members(pgid: int) -> dict[int, str]:
-    """{pid: command line} of the live processes in process group `pgid` (Linux /proc)."""
+    """{pid: command line} of the live processes in process group `pgid`."""
     members = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for process in psutil.process_iter(["cmdline", "status"]):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError):
-            continue  # gone while we read
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members[int(stat.parent.name)] = cmdline
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                members[process.pid] = " ".join(process.info["cmdline"] or ())
+        except ProcessLookupError:
+            continue  # gone while we looked
     return members
 
 
@@ -309,9 +311,7 @@ def _stop_group(proc: subprocess.Popen) -> str:
 
 
 @pytest.mark.slow
-# The subprocess's own 400 s limit, not the suite's 300 s: on a slow day each run's worker
-# restarts alone took ~45 s (CI of dfd87c5 timed out at 300 s).
-@pytest.mark.timeout(450)
+@APPLIANCE_RUN_TIMEOUT
 def test_tiny_run_through_the_real_appliance(tmp_path):
     out = tmp_path / "figures.json"
     proc = _bench("--shapes", "3", "--sessions", "1", "--new-kb", "1", "--paced-shape", "3",
@@ -372,9 +372,7 @@ def test_tiny_run_through_the_real_appliance(tmp_path):
 
 
 @pytest.mark.slow
-# The subprocess's own 400 s limit, not the suite's 300 s: on a slow day each run's worker
-# restarts alone took ~45 s (CI of dfd87c5 timed out at 300 s).
-@pytest.mark.timeout(450)
+@APPLIANCE_RUN_TIMEOUT
 def test_a_streamed_run_through_the_real_appliance(tmp_path):
     """`--stream`: every call of both modes streamed through the real proxy to the openai
     client, which checks each tool call (id and arguments) came back as the upstream sent it;
@@ -409,9 +407,7 @@ def test_a_streamed_run_through_the_real_appliance(tmp_path):
 
 
 @pytest.mark.slow
-# The subprocess's own 400 s limit, not the suite's 300 s: on a slow day each run's worker
-# restarts alone took ~45 s (CI of dfd87c5 timed out at 300 s).
-@pytest.mark.timeout(450)
+@APPLIANCE_RUN_TIMEOUT
 def test_recorded_sessions_through_the_real_appliance(tmp_path):
     """--corpus tau-bench: two recorded sessions, every answer (tool calls and text) back
     through the real proxy intact, each session one trajectory, every call a step."""
