@@ -600,12 +600,21 @@ def offline_tldextract() -> None:
 
 # A key that names a secret, in any convention: OPENAI_API_KEY, mailsac-token, refreshToken,
 # xxx_secret, db.password, clientSecret ("_" is a word character, so no \b before the word).
-_SECRET_WORD = (r"pass(?:word|wd|phrase|code)?|pwd|secret|token|api[_.\-]?key|apikey|"
-                r"access[_.\-]?key|auth(?:[_.\-]?key)?|credentials?|private[_.\-]?key|"
+# "pass" and "sas" end English words too ("compass", "bypass", "Kansas"): not after those.
+_PASS_WORD = r"(?<!com)(?<!by)(?<!sur)(?<!tres)(?<!over)(?<!under)pass(?:word|wd|phrase|code)?"
+_SECRET_WORD = (rf"{_PASS_WORD}|pwd|secret|token|api[_.\-]?key|apikey|"
+                r"access[_.\-]?key|authori[sz]ation|auth(?:[_.\-]?key)?|credentials?|"
+                r"private[_.\-]?key|"
                 r"client[_.\-]?secret|signing[_.\-]?key|session[_.\-]?(?:id|key)|cookie|"
                 r"licen[cs]e[_.\-]?key|master[_.\-]?key|encryption[_.\-]?key|webhook[_.\-]?url|"
-                r"dsn|connection[_.\-]?string|conn[_.\-]?str|sas")
-_SECRET_KEY_NAME = rf"[A-Za-z0-9_.\-]*(?i:{_SECRET_WORD})[A-Za-z0-9_.\-]*"
+                r"dsn|connection[_.\-]?string|conn[_.\-]?str|(?<!kan)sas")
+# The secret word (or its plural) ends where the key's word ends: at a separator, a digit, the
+# end, or a camelCase capital ("secretKey", "passwordHash") — not inside a longer word. Without
+# this "passenger" named a password, so the word after "the passenger," or "Passengers:" was
+# redacted as one in recorded airline sessions (tau-bench: "such", "Each", "payment"), and
+# "tokenizer:", "author:" named secrets too.
+_WORD_END = r"(?![a-z])(?!(?<=[A-Z])[A-Z])"
+_SECRET_KEY_NAME = rf"[A-Za-z0-9_.\-]*(?i:(?:{_SECRET_WORD})s?){_WORD_END}[A-Za-z0-9_.\-]*"
 # The value: stops at quotes, whitespace, separators and a written "\n" (JSON-escaped text).
 _SECRET_VALUE = r"((?:[^\s\"'`,;<>()\[\]{}\\]|\\(?![nrt\"]))+)"
 _KEYWORD_ASSIGNMENT = re.compile(
@@ -622,7 +631,7 @@ _NOT_A_SECRET_VALUE = re.compile(
     r"(?i)^(?:none|null|nil|true|false|undefined|required|optional|string|str|int|bool|"
     r"redacted|hidden|masked|\*+|x+|\.+|changeme|example|placeholder|your[_\-].*|<.*>|"
     r"\$\{.*\}|\$\w+|\{\{.*\}\}|%\w+%|os\.environ.*|process\.env.*|env\(.*|getenv.*)$")
-_PASSWORD_WORD = re.compile(r"(?i)pass(?:word|wd|phrase|code)?|pwd")
+_PASSWORD_WORD = re.compile(rf"(?i:(?:{_PASS_WORD}|pwd)s?){_WORD_END}")
 # A long random-looking token anywhere (vendor keys with a prefix nobody listed: glpat-, hvs.,
 # FlyV1 fm2_, sk-ant-...): letters and digits mixed, high entropy, not a hex digest or a path.
 _RANDOM_TOKEN = re.compile(r"(?<![\w+/=~.\-])[A-Za-z0-9][A-Za-z0-9_+/=~.\-|]{19,}")

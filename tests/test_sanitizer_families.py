@@ -65,6 +65,13 @@ LIBRARY_POSITIVES = [
     ("SECRET", '{"refreshToken": "8xLOxBtZp8Rnd2ZxKwD1Tg0bTc"}', "8xLOxBtZp8Rnd2ZxKwD1Tg0bTc"),
     ("SECRET", "GET https://api.example.com/v1/items?key=AbC123dEf456GhI789 HTTP/1.1",
      "AbC123dEf456GhI789"),
+    # a secret word that ends the key's word: at the end, a separator, a digit, a camelCase
+    # capital, a plural (the boundary that keeps "passenger" from naming a password)
+    ("SECRET", "userPass: hunter22", "hunter22"),
+    ("SECRET", 'const passwordHash = "x9Qw7Lm2";', "x9Qw7Lm2"),
+    ("SECRET", "DB_PASSWORD1=hunter22x", "hunter22x"),
+    ("SECRET", "apikeys=Zx9Kq2Lm7Np4Rt6Vw8Ya", "Zx9Kq2Lm7Np4Rt6Vw8Ya"),
+    ("SECRET", "Authorization: Bearer abcdefgh12345678", "abcdefgh12345678"),
     ("SECRET", "aws_secret: wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
      "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"),
     # Presidio's own recognizer docs: "My driver license is ..." and dates
@@ -93,6 +100,14 @@ LIBRARY_NEGATIVES = [
     ("SECRET", 'api_key = os.environ["OPENAI_API_KEY"]', "os.environ"),
     ("SECRET", "password: ${DB_PASSWORD}", "${DB_PASSWORD}"),
     ("SECRET", "token_type: bearer", "bearer"),
+    # a secret word inside a longer word names no secret: tau-bench's airline tool schemas and
+    # policy (recorded sessions) had "such", "Each" and "payment" redacted as passwords
+    ("SECRET", "The first name of the passenger, such as 'Noah'.", "such"),
+    ("SECRET", "- Passengers: Each reservation can have at most five passengers.", "Each"),
+    ("SECRET", "flights, passengers, payment methods, created time", "payment"),
+    ("SECRET", "PASSENGERS: Lenient1 listed", "Lenient1"),
+    ("SECRET", "tokenizer: bert-base-uncased-v2", "bert-base-uncased-v2"),
+    ("SECRET", "Head north by compass: Marker99 is the waypoint", "Marker99"),
     ("SECRET", "commit 9fceb02d0ae598e95dc970b74767f19372d61af8 merged",
      "9fceb02d0ae598e95dc970b74767f19372d61af8"),
     # a date that is not a date of birth, a country alone, a bare number: kept by default

@@ -1,14 +1,19 @@
 """Sanitizer evaluation on labelled text nobody here wrote, Steward beside vanilla Presidio.
 
     .venv/bin/python -m tests.bench.sanitize_eval_thirdparty [--limit N] [--secrets-limit N]
-        [--skip-vanilla] [--json]
+        [--skip-vanilla] [--no-recorded] [--json]
 
 Corpora (both committed under tests/bench/data with their licences):
 - presidio-research `data/synth_dataset_v2.json` (MIT, microsoft/presidio-research): 1,500
   labelled sentences (PERSON, STREET_ADDRESS, GPE, DATE_TIME, AGE, CREDIT_CARD, PHONE_NUMBER,
   IBAN_CODE, US_SSN, US_DRIVER_LICENSE, EMAIL_ADDRESS, ...);
 - gitleaks' own positive test cases, extracted from its rule sources by
-  `tests/bench/gitleaks_corpus.py` into `gitleaks_tps.jsonl` (MIT, gitleaks/gitleaks).
+  `tests/bench/gitleaks_corpus.py` into `gitleaks_tps.jsonl` (MIT, gitleaks/gitleaks);
+- tau-bench's 200 recorded GPT-4o airline sessions (`tau_bench_gpt4o_airline.json.gz`, MIT,
+  sierra-research/tau-bench): unlabelled, and with no credential in them — a policy prompt,
+  tool schemas, customers' messages, tool results with profiles and reservations — so every
+  SECRET the sanitizer finds there is a false positive (a word of the conversation replaced).
+  Counted per entity type over each distinct text once (`--no-recorded` skips it).
 
 Each text is placed three ways: as a user message, as a tool-call argument (`{"input": text}`
 JSON in `arguments`) and as a tool result (`{"status": "ok", "result": text}` JSON in a tool
@@ -42,18 +47,20 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import gzip
 import hashlib
 import json
 import re
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).parent / "data"
 SYNTH = DATA / "synth_dataset_v2.json"
 SECRETS = DATA / "gitleaks_tps.jsonl"
+TAU_BENCH = DATA / "tau_bench_gpt4o_airline.json.gz"
 PLACEMENTS = ("user", "tool_arg", "tool_result")
 NUMERIC = {"CREDIT_CARD", "PHONE_NUMBER", "US_SSN", "IBAN_CODE", "US_DRIVER_LICENSE", "ZIP_CODE"}
 # label -> target leak % under the default policy (None: reported, kept by default).
@@ -304,6 +311,49 @@ def score(records: list[dict], engine) -> dict[str, Any]:
             "examples": dict(leaked_examples)}
 
 
+def recorded_session_bodies() -> list[dict[str, Any]]:
+    """tau-bench's recorded sessions as chat request bodies, each distinct text once: the tool
+    schemas, then every message (the policy prompt is the first of each session's)."""
+    data = json.loads(gzip.decompress(TAU_BENCH.read_bytes()))
+    bodies: list[dict[str, Any]] = [{"messages": [], "tools": data["tools"]}]
+    seen: set[str] = set()
+    for trajectory in data["trajectories"]:
+        for message in trajectory["traj"]:
+            key = json.dumps(message, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                bodies.append({"messages": [message]})
+    return bodies
+
+
+def findings_on_recorded_sessions(engine: Steward) -> dict[str, Any]:
+    """Findings per entity type on tau-bench's sessions, and the commonest sanitized contexts
+    of a SECRET there (each one a false positive: see the module docstring)."""
+    bodies = recorded_session_bodies()
+    counts: Counter[str] = Counter()
+    contexts: Counter[str] = Counter()
+    t0 = time.perf_counter()
+    for i in range(0, len(bodies), 64):
+        for r in engine.sanitizer.sanitize_bodies([("request", b) for b in bodies[i:i + 64]]):
+            counts.update(f["entity_type"] for f in r.findings)
+            text = json.dumps(r.body, ensure_ascii=False)
+            contexts.update(m.group(0) for m in re.finditer(r".{0,28}<SECRET>.{0,14}", text))
+    return {"bodies": len(bodies), "findings": dict(counts.most_common()),
+            "secret_contexts": contexts.most_common(5),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def report_recorded(figures: dict[str, Any], out=sys.stdout) -> None:
+    found = figures["findings"]
+    print(f"\ntau-bench recorded sessions (no credentials in them): {figures['bodies']} distinct "
+          f"texts; findings by type: " + ", ".join(f"{k} {v}" for k, v in found.items()),
+          file=out)
+    print(f"| tau-bench recorded sessions | **SECRET findings (all false positives)** | "
+          f"{figures['bodies']} | 0 | {found.get('SECRET', 0)} |", file=out)
+    for context, n in figures["secret_contexts"]:
+        print(f"  {n} x {context!r}", file=out)
+
+
 def pct(a: int, b: int) -> str:
     return f"{100 * a / b:.1f}" if b else "-"
 
@@ -346,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-vanilla", action="store_true")
     ap.add_argument("--examples", type=Path, help="write leaked values per label (JSON) here")
     ap.add_argument("--json", action="store_true", help="also print one JSON line of figures")
+    ap.add_argument("--no-recorded", action="store_true",
+                    help="skip the SECRET false-positive count on tau-bench's recorded sessions")
     args = ap.parse_args(argv)
     synth = load_synth(args.limit)
     corpora = {"synth v2 half A (dev)": [r for r in synth if split_half(r["text"]) == "A"],
@@ -359,13 +411,19 @@ def main(argv: list[str] | None = None) -> int:
     whole = {e.name: combine([results[c][e.name] for c in list(corpora)[:2]]) for e in engines}
     results = {"presidio-research synth v2 (A+B)": whole, **results}
     report(results)
+    recorded = None if args.no_recorded else findings_on_recorded_sessions(engines[0])
+    if recorded is not None:
+        report_recorded(recorded)
     if args.examples:
         args.examples.write_text(json.dumps(
             {c: {e: r["examples"] for e, r in by.items()} for c, by in results.items()},
             ensure_ascii=False, indent=1))
     if args.json:
-        print(json.dumps({c: {e: {k: v for k, v in r.items() if k != "examples"}
-                              for e, r in by.items()} for c, by in results.items()}))
+        figures: dict[str, Any] = {c: {e: {k: v for k, v in r.items() if k != "examples"}
+                                       for e, r in by.items()} for c, by in results.items()}
+        if recorded is not None:
+            figures["tau-bench recorded sessions"] = {"steward": recorded}
+        print(json.dumps(figures))
     return 0
 
 
