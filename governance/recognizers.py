@@ -632,6 +632,15 @@ _NOT_A_SECRET_VALUE = re.compile(
     r"redacted|hidden|masked|\*+|x+|\.+|changeme|example|placeholder|your[_\-].*|<.*>|"
     r"\$\{.*\}|\$\w+|\{\{.*\}\}|%\w+%|os\.environ.*|process\.env.*|env\(.*|getenv.*)$")
 _PASSWORD_WORD = re.compile(rf"(?i:(?:{_PASS_WORD}|pwd)s?){_WORD_END}")
+# PWD and OLDPWD are the shell's working directories: an agent's environment dump or tool
+# output (`PWD=/home/alice/app`, {"pwd": "/srv/app"}) names a path there, not a password.
+_WORKING_DIRECTORY_KEY = re.compile(r"(?i)(?:^|[^a-z])(?:old[_\-]?)?pwd$")
+_PATH_VALUE = re.compile(r"(?:/|~/|~$|[A-Za-z]:[\\/])")
+
+
+def working_directory(key: str, value: str) -> bool:
+    """A shell working-directory key holding a path (not a secret, whatever `pwd` suggests)."""
+    return bool(_WORKING_DIRECTORY_KEY.search(key) and _PATH_VALUE.match(value.strip()))
 # A long random-looking token anywhere (vendor keys with a prefix nobody listed: glpat-, hvs.,
 # FlyV1 fm2_, sk-ant-...): letters and digits mixed, high entropy, not a hex digest or a path.
 _RANDOM_TOKEN = re.compile(r"(?<![\w+/=~.\-])[A-Za-z0-9][A-Za-z0-9_+/=~.\-|]{19,}")
@@ -729,7 +738,8 @@ class SecretsRecognizer:
 
         for m in (*_KEYWORD_ASSIGNMENT.finditer(text), *_FLAG_SECRET.finditer(text)):
             key, value = m.group(1), m.group(2).rstrip(".")
-            if secret_like(value, bool(_PASSWORD_WORD.search(key))):
+            if secret_like(value, bool(_PASSWORD_WORD.search(key))) \
+                    and not working_directory(key, value):
                 yield from span(m.start(2), m.start(2) + len(value), 0.8, "secret_assignment")
         for m in _XML_SECRET.finditer(text):
             if secret_like(m.group(2)):

@@ -128,6 +128,22 @@ def test_library_positive_never_survives(sanitizer, family, text, value, how):
     assert value not in out_text(sanitizer, text, how)
 
 
+# The shell's working directories in an agent's environment dump or tool output: a path under a
+# key that spells "pwd", not a password; and the same key with no path still is one.
+@pytest.mark.parametrize("text", ["PWD=/home/alice/project\nOLDPWD=/home/alice",
+                                  '{"cwd": "/srv/app", "pwd": "/srv/app"}'])
+@pytest.mark.parametrize("how", PLACEMENTS)
+def test_a_working_directory_is_no_password(sanitizer, text, how):
+    out = out_text(sanitizer, text, how)
+    assert "<SECRET>" not in out and ("/home/alice/project" in out or "/srv/app" in out)
+
+
+@pytest.mark.parametrize("how", PLACEMENTS)
+def test_a_pwd_that_is_no_path_is_a_password(sanitizer, how):
+    for text in ('{"db_pwd": "Tr0ub4dor3x"}', "PWD=Tr0ub4dor3x"):
+        assert "Tr0ub4dor3x" not in out_text(sanitizer, text, how)
+
+
 @pytest.mark.parametrize(("family", "text", "value"), LIBRARY_NEGATIVES,
                          ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(LIBRARY_NEGATIVES)])
 def test_library_negative_is_kept(sanitizer, family, text, value):

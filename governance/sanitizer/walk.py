@@ -173,7 +173,7 @@ class _Walker:
     def _structured_string(self, container, key, value, spath, svp, emb, name: str) -> None:
         words = R.key_words(name) if name else ""
         keyed = R.keyed_entity(name) if name else None
-        if R.SECRET_KEYS.search(words):
+        if R.SECRET_KEYS.search(words) and not R.working_directory(words, value):
             self._add(container, key, value, "secret", spath, svp, emb)
         elif name and R.PERSON_KEYS.match(words):
             self._add(container, key, value, "name", spath, svp, emb)
