@@ -126,20 +126,20 @@ def customer_session(tenant_id: int, agent_id: int, trajectory_id: str,
 
 def packed_values_text(trajectory_ids: list[str] | None = None) -> str:
     """What the columns stored compressed hold, as JSON text, for leak checks that search the
-    database: conversation items' content (zlib'd JSON, decision 40) and a step's action,
+    database: conversation items' content (packed JSON, decisions 40 and 61) and a step's action,
     usage, timings and versions (packed against a preset dictionary, decision 60). A dump or
     `row_to_json` shows these as bytes, where a leaked value would not be found. Read as the
     superuser outside any scope; every trajectory when `trajectory_ids` is None."""
     from django.db import connection
 
-    from governance.models import PackedJSONField, StepJSONField
+    from governance.models import ItemJSONField, StepJSONField
 
     where, params = ("", []) if trajectory_ids is None else (
         " WHERE trajectory_id::text = ANY(%s)", [[str(t) for t in trajectory_ids]])
     values: list[Any] = []
     with connection.cursor() as cur:
         cur.execute("SELECT content FROM governance_conversationitem" + where, params)
-        values += [PackedJSONField.unpack(content) for (content,) in cur.fetchall()]
+        values += [ItemJSONField.unpack(content) for (content,) in cur.fetchall()]
         cur.execute("SELECT action, usage, timings, versions FROM governance_step" + where,
                     params)
         values += [[StepJSONField.unpack(v) for v in row] for row in cur.fetchall()]

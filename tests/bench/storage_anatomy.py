@@ -151,12 +151,12 @@ def _unit_cost(costs: dict[str, Any]) -> float:
 
 def _echoes_and_openings(cur: Any, agent_id: int, tables: dict[str, dict[str, Any]]
                          ) -> dict[str, Any]:
-    from governance.models import PackedJSONField, StepJSONField
+    from governance.models import ItemJSONField, StepJSONField
 
     cur.execute("SELECT x.id, x.kind, x.content, pg_column_size(x.content) "
                 f"FROM governance_conversationitem x WHERE {_BY_TRAJECTORY}",  # noqa: S608
                 [agent_id])
-    items = {pk: (kind, PackedJSONField.unpack(content), int(size))
+    items = {pk: (kind, ItemJSONField.unpack(content), int(size))
              for pk, kind, content, size in cur.fetchall()}
     cur.execute("SELECT x.id, x.parent_step, x.appended, x.action "
                 f"FROM governance_step x WHERE {_BY_TRAJECTORY}", [agent_id])  # noqa: S608
