@@ -108,6 +108,8 @@ LIBRARY_NEGATIVES = [
     ("SECRET", "PASSENGERS: Lenient1 listed", "Lenient1"),
     ("SECRET", "tokenizer: bert-base-uncased-v2", "bert-base-uncased-v2"),
     ("SECRET", "Head north by compass: Marker99 is the waypoint", "Marker99"),
+    # an environment dump: spaCy read the assignment "SHELL=/bin" as a place
+    ("LOCATION", "export SHELL=/bin/bash", "SHELL=/bin/bash"),
     ("SECRET", "commit 9fceb02d0ae598e95dc970b74767f19372d61af8 merged",
      "9fceb02d0ae598e95dc970b74767f19372d61af8"),
     # a date that is not a date of birth, a country alone, a bare number: kept by default

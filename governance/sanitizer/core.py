@@ -215,7 +215,10 @@ class Sanitizer:
         for slot, found in zip(analyzed, results, strict=True):
             for s in found.spans:
                 if s.entity_type in _NER_TYPES:
-                    slot.ner.append(s)
+                    # An assignment is neither a name nor a place: spaCy reads "SHELL=/bin"
+                    # in an agent's environment dump as a location.
+                    if "=" not in slot.text[s.start:s.end]:
+                        slot.ner.append(s)
                 else:
                     slot.spans.append(s)
             slot.blockers.extend((b, e) for label, b, e in found.ents if label in _NOT_A_PERSON)
