@@ -641,6 +641,8 @@ _PATH_VALUE = re.compile(r"(?:/|~/|~$|[A-Za-z]:[\\/])")
 def working_directory(key: str, value: str) -> bool:
     """A shell working-directory key holding a path (not a secret, whatever `pwd` suggests)."""
     return bool(_WORKING_DIRECTORY_KEY.search(key) and _PATH_VALUE.match(value.strip()))
+
+
 # A long random-looking token anywhere (vendor keys with a prefix nobody listed: glpat-, hvs.,
 # FlyV1 fm2_, sk-ant-...): letters and digits mixed, high entropy, not a hex digest or a path.
 _RANDOM_TOKEN = re.compile(r"(?<![\w+/=~.\-])[A-Za-z0-9][A-Za-z0-9_+/=~.\-|]{19,}")
