@@ -128,6 +128,16 @@ PACKED_STEP_COLUMNS = ("action", "usage", "timings", "versions")
 
 
 def unpacked(table: str, row: dict) -> dict:
+    if table == "conversationitem":
+        # The value, not its bytes: items are zlib'd (0033) or packed against a dictionary
+        # (0037), and two checkouts that store the same value in two formats agree here.
+        value = row.get("content")
+        if isinstance(value, str) and value.startswith("\\x"):
+            from governance import models
+
+            field = getattr(models, "ItemJSONField", None) or models.PackedJSONField
+            row["content"] = field.unpack(bytes.fromhex(value[2:]))
+        return row
     if table != "step":
         return row
     for column in PACKED_STEP_COLUMNS:
