@@ -14,7 +14,7 @@ import re
 import uuid
 import zlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 from django.conf import settings
@@ -445,9 +445,9 @@ STEP_JSON_DICTIONARY_1 = orjson.dumps([
      "finish_reason": "tool_calls"},
 ])
 STEP_JSON_FORMAT_1 = b"\x01"
-# A JSON text starts with one of these (after no whitespace: orjson writes none); neither
-# format byte (0x01, zlib's 0x78 'x') is one.
-_JSON_START = frozenset(b'{["-0123456789tfn')
+# A JSON text starts with one of these (after no whitespace: orjson writes none; a string, as
+# instructions too short to pack are kept); no format byte (0x01, 0x02, zlib's 0x78 'x') is one.
+_JSON_START = frozenset(b'{["-0123456789tfn"')
 
 
 class StepJSONField(PackedJSONField):
@@ -463,23 +463,29 @@ class StepJSONField(PackedJSONField):
     (PackedJSONField's, read for completeness)."""
 
     description = "JSON, compressed against a preset dictionary"
+    # What pack writes: the format byte and its dictionary. A subclass with another
+    # dictionary sets these two; unpack reads every format in _PRESET_FORMATS either way.
+    FORMAT: ClassVar[bytes] = STEP_JSON_FORMAT_1
+    DICTIONARY: ClassVar[bytes] = STEP_JSON_DICTIONARY_1
 
     @classmethod
     def pack(cls, value: Any) -> bytes:
         plain = cls._json(value)
-        packed = STEP_JSON_FORMAT_1 + deflate(plain, STEP_JSON_DICTIONARY_1)
+        packed = cls.FORMAT + deflate(plain, cls.DICTIONARY)
         return packed if len(packed) < len(plain) else plain
 
     @classmethod
     def unpack(cls, blob: bytes | memoryview) -> Any:
         data = bytes(blob)
-        if data[:1] == STEP_JSON_FORMAT_1:
-            return orjson.loads(inflate(data[1:], STEP_JSON_DICTIONARY_1, "step JSON value"))
+        preset = _PRESET_FORMATS.get(data[:1])
+        if preset is not None:
+            dictionary, what = preset
+            return orjson.loads(inflate(data[1:], dictionary, what))
         if data[:1] == b"\x78":
             return orjson.loads(zlib.decompress(data))
         if data[:1] and data[0] in _JSON_START:
             return orjson.loads(data)
-        raise ValueError(f"a step JSON value of unknown format (first byte {data[:1]!r})")
+        raise ValueError(f"a packed JSON value of unknown format (first byte {data[:1]!r})")
 
 
 # The preset dictionary of ItemJSONField's format 2 (decision 61): what conversation items say
@@ -518,6 +524,12 @@ ITEM_JSON_DICTIONARY_1 = orjson.dumps([
     {"content": "", "role": "user"}, {"role": "user", "content": ""},
 ])
 ITEM_JSON_FORMAT_1 = b"\x02"
+# Every preset-dictionary format a packed value may carry: its dictionary, and what to call
+# the value when the bytes are damaged.
+_PRESET_FORMATS: dict[bytes, tuple[bytes, str]] = {
+    STEP_JSON_FORMAT_1: (STEP_JSON_DICTIONARY_1, "step JSON value"),
+    ITEM_JSON_FORMAT_1: (ITEM_JSON_DICTIONARY_1, "conversation item"),
+}
 
 
 class ItemJSONField(StepJSONField):
@@ -529,21 +541,8 @@ class ItemJSONField(StepJSONField):
     first byte 0x78) and StepJSONField's formats are read as they are."""
 
     description = "JSON, compressed against a conversation item dictionary"
-
-    @classmethod
-    def pack(cls, value: Any) -> bytes:
-        plain = cls._json(value)
-        packed = ITEM_JSON_FORMAT_1 + deflate(plain, ITEM_JSON_DICTIONARY_1)
-        return packed if len(packed) < len(plain) else plain
-
-    @classmethod
-    def unpack(cls, blob: bytes | memoryview) -> Any:
-        data = bytes(blob)
-        if data[:1] == ITEM_JSON_FORMAT_1:
-            return orjson.loads(inflate(data[1:], ITEM_JSON_DICTIONARY_1, "conversation item"))
-        if data[:1] == b'"':  # instructions too short to pack, kept as their JSON text
-            return orjson.loads(data)
-        return super().unpack(data)
+    FORMAT = ITEM_JSON_FORMAT_1
+    DICTIONARY = ITEM_JSON_DICTIONARY_1
 
 
 class ActionField(StepJSONField):

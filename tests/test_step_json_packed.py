@@ -96,8 +96,12 @@ def test_the_formats_read_and_what_is_refused():
 
     assert StepJSONField.unpack(zlib.compress(orjson.dumps(value))) == value
     assert StepJSONField.pack({}) == b"{}"
+    # Both preset formats are read by either field (one unpack, decision 61).
+    from governance.models import ItemJSONField
+
+    assert StepJSONField.unpack(ItemJSONField.pack(value)) == value
     with pytest.raises(ValueError, match="unknown format"):
-        StepJSONField.unpack(b"\x02abc")
+        StepJSONField.unpack(b"\x03abc")
     with pytest.raises(ValueError, match="unknown format"):
         StepJSONField.unpack(b"")
     # A packed value cut short, or with bytes after its end, says so (not a JSON error).
