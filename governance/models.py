@@ -14,6 +14,7 @@ import re
 import uuid
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import orjson
@@ -543,6 +544,39 @@ class ItemJSONField(StepJSONField):
     description = "JSON, compressed against a conversation item dictionary"
     FORMAT = ITEM_JSON_FORMAT_1
     DICTIONARY = ITEM_JSON_DICTIONARY_1
+
+    @classmethod
+    def pack(cls, value: Any) -> bytes:
+        if isinstance(value, AnswerRef):
+            return ANSWER_REF_FORMAT + value.step_id.bytes + value.index.to_bytes(2, "big")
+        return super().pack(value)
+
+    @classmethod
+    def unpack(cls, blob: bytes | memoryview) -> Any:
+        data = bytes(blob)
+        if data[:1] == ANSWER_REF_FORMAT:
+            if len(data) != 19:
+                raise ValueError(f"a damaged answer reference ({len(data)} bytes, not 19)")
+            return AnswerRef(uuid.UUID(bytes=data[1:17]), int.from_bytes(data[17:], "big"))
+        return super().unpack(data)
+
+
+# An item that is an answer sent back (decision 62): format byte, the answering step's id
+# (16 bytes), the message's index in its action (2 bytes, big-endian).
+ANSWER_REF_FORMAT = b"\x03"
+
+
+@dataclass(frozen=True)
+class AnswerRef:
+    """A conversation item's content when it is exactly message `index` of step `step_id`'s
+    answer (its action's `messages`): the agent sent the answer it was given back with its next
+    call, and the item points at it instead of holding it a second time (decision 62). Readers
+    never see one: conversation.resolve_answers puts the message in its place on every read,
+    and retention gives an item the message before the step holding it goes
+    (conversation.keep_answers_of)."""
+
+    step_id: uuid.UUID
+    index: int
 
 
 class ActionField(StepJSONField):

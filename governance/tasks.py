@@ -60,6 +60,7 @@ from governance.capture.conversation import (
     DIGEST_HEX,
     History,
     TrajectoryItems,
+    answer_index,
     chain_digests,
     choose_parent,
     history_of,
@@ -90,6 +91,7 @@ from governance.capture.steps import (
 from governance.erasure import SUPPRESSED_REASON, suppressed_hashes
 from governance.keyring import content_hasher, subject_hasher
 from governance.models import (
+    AnswerRef,
     Consent,
     ConversationItem,
     Finding,
@@ -382,6 +384,9 @@ class _StepWrite:
     appended: list[str] = field(default_factory=list)
     refs: dict[str, str] = field(default_factory=dict)
     full_history: list[int] = field(default_factory=list)
+    # Items of this batch pointing at this step's answer (decision 62), with the message:
+    # given it back (_unpoint) when this step is not stored after all.
+    pointed: list[tuple[int, Any]] = field(default_factory=list)
 
 
 def _write(writes: list[_StepWrite]) -> None:
@@ -433,6 +438,7 @@ def _store_steps(writes: list[_StepWrite]
         except (DatabaseError, ValueError) as exc:
             if step is not None:
                 refused_steps.add(step.pk)
+            _unpoint(write)
             orphans |= _hand_over_item_rows(write, writes[position + 1:])
             # The class and SQLSTATE only: a database message can quote the value.
             code = getattr(getattr(exc, "__cause__", None), "sqlstate", None) or ""
@@ -472,6 +478,45 @@ def _hand_over_item_rows(dead: _StepWrite, later: list[_StepWrite]) -> set[int]:
             heirs[row.item_id].index_rows.append(row)
     dead.findings, dead.index_rows = [], []
     return owned - heirs.keys()
+
+
+def _point_at_answers(rows: dict[tuple[Any, str], ConversationItem],
+                      owners: dict[tuple[Any, str], _StepWrite], writes: list[_StepWrite]
+                      ) -> dict[tuple[Any, str], tuple[Any, Any]]:
+    """Decision 62: a new chat message that is exactly one of the messages of its first
+    carrier's parent step's answer — the agent sending back the answer it was given, in 1,968
+    of the 2,018 calls with a parent of tau-bench's recorded sessions — is stored as an
+    AnswerRef to that message (19 bytes) instead of a second copy (~250 bytes packed), and
+    without findings (the answer's step holds them: counted once). Its subject-index row
+    stays: erasure finds the trajectory by the item as before. Sets the rows' content; returns
+    item key -> (answering step id, the message) for the rows that point."""
+    writes_by_step = {w.step.pk: w for w in writes if w.step is not None}
+    parents = {key: owners[key].step.parent_step for key, row in rows.items()
+               if row.kind == ConversationItem.Kind.MESSAGE
+               and owners[key].step.endpoint == "chat.completions"
+               and owners[key].step.parent_step is not None}
+    if not parents:
+        return {}
+    answers = {pk: w.step.action for pk, w in writes_by_step.items()}
+    earlier = set(parents.values()) - answers.keys()
+    if earlier:
+        answers.update(Step.objects.filter(pk__in=earlier).values_list("pk", "action"))
+    pointing: dict[tuple[Any, str], tuple[Any, Any]] = {}
+    for key, parent in parents.items():
+        row = rows[key]
+        k = answer_index(row.content, answers.get(parent))
+        if k is not None:
+            pointing[key] = (parent, row.content)
+            row.content = AnswerRef(parent, k)
+    return pointing
+
+
+def _unpoint(write: _StepWrite) -> None:
+    """The items pointing at this step's answer get the message itself: the step is not
+    stored (refused by the database, or dropped with an item of its own)."""
+    for item_id, message in write.pointed:
+        ConversationItem.objects.filter(pk=item_id).update(content=message)
+    write.pointed = []
 
 
 def _delete_orphan_items(tenant_id: int, item_ids: set[int]) -> None:
@@ -575,6 +620,7 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
                 sanitizer_version=version, content=known[tid].content[digest],
                 first_step=w.step.pk)
             owners[key] = w
+    pointing = _point_at_answers(rows, owners, writes)
     inserted, refused = _insert_items(rows)
     for pk, tid, digest in inserted:
         known[tid].ids[digest] = pk
@@ -585,13 +631,19 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         for tid, items in again.items():
             known[tid].ids.update(items.ids)
     ours = {(tid, digest) for _, tid, digest in inserted}
+    writes_by_step = {w.step.pk: w for w in writes if w.step is not None}
+    for key, (parent, message) in pointing.items():
+        if key in ours and parent in writes_by_step:  # an earlier batch's step is stored
+            writes_by_step[parent].pointed.append((known[key[0]].ids[key[1]], message))
     for key, w in owners.items():
         item = new_items.get(key)
         if item is None or key not in ours:
             continue
         item_id = known[key[0]].ids[key[1]]
         ia = w.interaction
-        w.findings.extend(packed_rows(ia.tenant_id, ia.step_id, item.findings, version, item_id))
+        if key not in pointing:
+            w.findings.extend(packed_rows(ia.tenant_id, ia.step_id, item.findings, version,
+                                          item_id))
         w.index_rows.extend(_index_rows(ia, item.identifiers, hash_subject, item_id))
     for w in writes:
         _drop_covered_keys(w)
@@ -623,6 +675,7 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         orphans: set[int] = set()
         for position, w in enumerate(writes):
             if not stays(w):
+                _unpoint(w)
                 orphans |= _hand_over_item_rows(w, [k for k in writes[position + 1:] if stays(k)])
         _delete_orphan_items(tenant_id, orphans)
         writes[:] = [w for w in writes if stays(w)]

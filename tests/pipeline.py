@@ -132,14 +132,22 @@ def packed_values_text(trajectory_ids: list[str] | None = None) -> str:
     superuser outside any scope; every trajectory when `trajectory_ids` is None."""
     from django.db import connection
 
-    from governance.models import ItemJSONField, StepJSONField
+    from governance.models import AnswerRef, ItemJSONField, StepJSONField
+
+    def item(content: Any) -> Any:
+        value = ItemJSONField.unpack(content)
+        # A reference to the answer it repeats (decision 62): the answer is the step's action,
+        # searched below.
+        if isinstance(value, AnswerRef):
+            return {"answer_of_step": str(value.step_id), "message": value.index}
+        return value
 
     where, params = ("", []) if trajectory_ids is None else (
         " WHERE trajectory_id::text = ANY(%s)", [[str(t) for t in trajectory_ids]])
     values: list[Any] = []
     with connection.cursor() as cur:
         cur.execute("SELECT content FROM governance_conversationitem" + where, params)
-        values += [ItemJSONField.unpack(content) for (content,) in cur.fetchall()]
+        values += [item(content) for (content,) in cur.fetchall()]
         cur.execute("SELECT action, usage, timings, versions FROM governance_step" + where,
                     params)
         values += [[StepJSONField.unpack(v) for v in row] for row in cur.fetchall()]

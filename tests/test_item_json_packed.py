@@ -101,7 +101,17 @@ def test_the_formats_read_and_what_is_refused():
 
     assert ItemJSONField.unpack(StepJSONField.pack(value)) == value
     with pytest.raises(ValueError, match="unknown format"):
-        ItemJSONField.unpack(b"\x03abc")
+        ItemJSONField.unpack(b"\x04abc")
+    # Format 3: a reference to a step's answer message (decision 62), 19 bytes exactly.
+    import uuid
+
+    from governance.models import AnswerRef
+
+    ref = AnswerRef(uuid.uuid4(), 2)
+    assert ItemJSONField.pack(ref) == b"\x03" + ref.step_id.bytes + b"\x00\x02"
+    assert ItemJSONField.unpack(ItemJSONField.pack(ref)) == ref
+    with pytest.raises(ValueError, match="damaged answer reference"):
+        ItemJSONField.unpack(ItemJSONField.pack(ref)[:-1])
     packed = ItemJSONField.pack(value)
     with pytest.raises(ValueError, match="conversation item"):
         ItemJSONField.unpack(packed[:-2])

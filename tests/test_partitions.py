@@ -176,10 +176,12 @@ def test_a_record_without_a_request_time_ships_once(tenant, agent, tmp_path):
 # --- retention: whole months ---------------------------------------------------------------------
 
 
-def _old_month_with_a_session(tenant, agent, tmp_path, *, months: int = 14):
+def _old_month_with_a_session(tenant, agent, tmp_path, *, months: int = 14,
+                              echoed: bool = False):
     """A session whose first calls fall in a month `months` ago (its own partition) and whose
     last call is recent: the later step extends the old ones and its raw request is a delta of
-    the previous call's."""
+    the previous call's. `echoed`: each call sends back the answer it was given ("ok"), which
+    the store keeps as a reference to the old step's answer (decision 62)."""
     month = _months_ago(months)
     ensure_partitions(1, first=month.start.date())
     traj = str(uuid.uuid4())
@@ -187,10 +189,15 @@ def _old_month_with_a_session(tenant, agent, tmp_path, *, months: int = 14):
     history = [SYSTEM]
     records = []
     for i in range(3):
-        history = history + [_user(f"Question {i} from {EMAIL}"),
-                             {"role": "assistant", "content": f"Answer {i}"}]
+        if echoed:  # the call, then the answer it got ("ok") in the next call's history
+            history = history + [_user(f"Question {i} from {EMAIL}")]
+        else:
+            history = history + [_user(f"Question {i} from {EMAIL}"),
+                                 {"role": "assistant", "content": f"Answer {i}"}]
         records.append(_call(tenant, agent, traj, history,
                              (t0 + timedelta(hours=i)).timestamp(), subject=EMAIL))
+        if echoed:
+            history = history + [{"role": "assistant", "content": "ok"}]
     history = history + [_user("And one more thing, today.")]
     records.append(_call(tenant, agent, traj, history, timezone.now().timestamp() - 60,
                          subject=EMAIL))
@@ -198,11 +205,22 @@ def _old_month_with_a_session(tenant, agent, tmp_path, *, months: int = 14):
     return month, traj, records
 
 
+@pytest.mark.parametrize("echoed", [False, True], ids=["answers not sent back", "sent back"])
 def test_retention_drops_an_expired_month_and_keeps_what_depends_on_it_whole(
-        tenant, agent, tmp_path, transactional_db):
+        tenant, agent, tmp_path, transactional_db, echoed):
     from governance.capture.rawstore import decode_body, open_raw
+    from governance.models import ANSWER_REF_FORMAT
 
-    month, traj, records = _old_month_with_a_session(tenant, agent, tmp_path)
+    def references() -> list:
+        with connection.cursor() as cur:
+            cur.execute("SELECT set_config('steward.system', 'on', false)")
+            cur.execute("SELECT id FROM governance_conversationitem WHERE trajectory_id = %s "
+                        "AND substring(content from 1 for 1) = %s", [traj, ANSWER_REF_FORMAT])
+            return [row[0] for row in cur.fetchall()]
+
+    month, traj, records = _old_month_with_a_session(tenant, agent, tmp_path, echoed=echoed)
+    # Sent back, the answer is one item ("ok" each time) pointing at the first old step's.
+    assert len(references()) == (1 if echoed else 0)
     steps = list(Step.objects.filter(trajectory_id=traj).order_by("started_at"))
     assert len(steps) == 4 and steps[3].parent_step == steps[2].pk
     assert {_partition_of("governance_step", "id", s.pk) for s in steps[:3]} == {
@@ -228,6 +246,7 @@ def test_retention_drops_an_expired_month_and_keeps_what_depends_on_it_whole(
     assert kept.parent_step is None
     with tenant_context(tenant):
         assert observations([kept])[kept.pk] == expected
+    assert references() == []  # the item holds the answer itself now
     # ... and its raw payload, sealed whole again, still opens to what was sent.
     last = Interaction.objects.select_related("data_key").get(pk=last.pk)
     assert last.raw_base_flow == ""

@@ -1,6 +1,7 @@
 """tests/bench/storage_anatomy.py on sessions built by the real shipper and step builder: its
 rows are the agent's rows, its parts add up to what it reports, an answer the agent sends back
-is found as kept twice, and the opening (system prompt, tools) is found as such."""
+is found as a reference to it (decision 62), and the opening (system prompt, tools) is found
+as such."""
 
 from __future__ import annotations
 
@@ -76,19 +77,24 @@ def test_the_anatomy_of_a_session_and_of_one_off_calls(tenant, agent, bystander,
     # Two agents share the tables: each is given its share, not the whole table.
     assert other["tables"]["governance_step"]["index"] < tables["governance_step"]["index"]
 
-    # Calls 2-4 each send back the answer of the call before: three items kept twice, each
-    # with the email's findings and subject-index row; one-off calls have no parent.
+    # Calls 2-4 each send back the answer of the call before: three items that reference the
+    # answer (decision 62), each with the email's subject-index row and no findings (the
+    # answer's step holds them); none kept twice; one-off calls have no parent.
     assert mine["steps_with_parent"] == 3
-    assert mine["echoed"]["items"] == 3
-    assert mine["echoed"]["item_bytes"] > 0 and mine["echoed"]["finding_bytes"] > 0
-    assert other["steps_with_parent"] == 0 and other["echoed"]["items"] == 0
+    assert mine["echoed"]["items"] == 0
+    referenced = mine["referenced"]
+    assert referenced["items"] == 3 and referenced["finding_bytes"] == 0
+    assert referenced["item_bytes"] > 0 and referenced["subject_bytes"] > 0
+    assert other["steps_with_parent"] == 0 and other["referenced"]["items"] == 0
     # The opening: the system prompt and the tools, once per trajectory.
     assert mine["opening"]["items"] == 2
     assert other["opening"]["items"] == 4
 
     text = storage_anatomy.report(mine)
     assert "anatomy-bot: 4 calls in 1 trajectories" in text
-    assert "answers kept twice" in text and ": 3 items in 3 steps with a parent" in text
+    assert "answers kept twice (an appended item equal to the parent step's answer): 0 items " \
+           "in 3 steps with a parent" in text
+    assert "kept as a reference (decision 62): 3 items; per call" in text
     assert storage_anatomy.anatomy(["other-bot"])[0]["agent"] == "other-bot"
 
 

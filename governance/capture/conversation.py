@@ -237,9 +237,10 @@ def known_items(trajectory_ids: Iterable[Any], digests: Iterable[str], version: 
     if memo is None:
         items = ConversationItem.objects.filter(trajectory_id__in=list(out), digest__in=wanted,
                                                 sanitizer_version=version)
-        for tid, digest, pk, content in items.values_list("trajectory_id", "digest", "pk",
-                                                          "content"):
-            out[tid].content[digest] = content
+        rows = list(items.values_list("trajectory_id", "digest", "pk", "content"))
+        contents = resolve_answers({pk: content for _, _, pk, content in rows})
+        for tid, digest, pk, _ in rows:
+            out[tid].content[digest] = contents[pk]
             out[tid].ids[digest] = pk
         return out
     missing: dict[int, tuple[Any, str]] = {}
@@ -260,8 +261,9 @@ def known_items(trajectory_ids: Iterable[Any], digests: Iterable[str], version: 
         else:
             out[tid].content[digest] = orjson.loads(data)
     if missing:
-        for pk, content in (ConversationItem.objects.filter(pk__in=list(missing))
-                            .values_list("pk", "content")):
+        for pk, content in resolve_answers(dict(
+                ConversationItem.objects.filter(pk__in=list(missing))
+                .values_list("pk", "content"))).items():
             tid, digest = missing[pk]
             out[tid].content[digest] = content
             memo.keep_content(pk, orjson.dumps(content))
@@ -333,20 +335,66 @@ def step_histories(steps: Sequence[Any]) -> dict[Any, list[int]]:
     return {s.pk: full[s.pk] for s in compact}
 
 
-def item_contents(ids: Iterable[int]) -> dict[int, Any]:
+def item_contents(ids: Iterable[int], steps: Iterable[Any] = ()) -> dict[int, Any]:
+    """Items' content by id, answer references resolved (from `steps` where they point at
+    one of them: resolve_answers)."""
     from governance.models import ConversationItem
 
     wanted = set(ids)
     if not wanted:
         return {}
-    return dict(ConversationItem.objects.filter(pk__in=wanted).values_list("pk", "content"))
+    return resolve_answers(dict(ConversationItem.objects.filter(pk__in=wanted)
+                                .values_list("pk", "content")), steps)
+
+
+def resolve_answers(contents: dict[Any, Any], steps: Iterable[Any] = ()) -> dict[Any, Any]:
+    """`contents` (item content by any key, as read from the table) with every AnswerRef
+    replaced by the answer message it points at (decision 62): from `steps` (Step objects the
+    caller holds, action loaded) where the step is one of them, else one query for all, in the
+    caller's tenant scope. In place; returned for chaining. A reference whose step or message
+    is gone raises: retention gives items their message before the step goes
+    (keep_answers_of), so that is a broken invariant, not a missing value to paper over."""
+    from governance.models import AnswerRef, Step
+
+    refs = {key: v for key, v in contents.items() if isinstance(v, AnswerRef)}
+    if not refs:
+        return contents
+    wanted = {r.step_id for r in refs.values()}
+    actions = {s.pk: s.action for s in steps
+               if s.pk in wanted and "action" not in s.get_deferred_fields()}
+    if wanted - actions.keys():
+        actions.update(Step.objects.filter(pk__in=wanted - actions.keys())
+                       .values_list("pk", "action"))
+    for key, ref in refs.items():
+        messages = (actions.get(ref.step_id) or {}).get("messages")
+        if not isinstance(messages, list) or ref.index >= len(messages):
+            raise LookupError(f"conversation item {key} repeats message {ref.index} of step "
+                              f"{ref.step_id}'s answer, which is not there")
+        contents[key] = messages[ref.index]
+    return contents
+
+
+def answer_index(content: Any, answer: Any) -> int | None:
+    """The index of the message of `answer` (a step's action) that `content` (a sanitized
+    history message) is, or None: the same JSON value, key order aside (the store already
+    treats two key orders of one message as one item: its digest sorts keys), types exact
+    (1 is not true). Chat answers only: a Responses action's messages are a reading of its
+    output items, not what its client sends back."""
+    messages = answer.get("messages") if isinstance(answer, dict) else None
+    if not isinstance(content, dict) or not isinstance(messages, list) or "output" in answer:
+        return None
+    wanted = canonical(content)
+    for k, message in enumerate(messages[:65536]):
+        if isinstance(message, dict) and canonical(message) == wanted:
+            return k
+    return None
 
 
 def observations(steps: Sequence[Any]) -> dict[Any, dict]:
     """Each step's full observation (as the call sent it, sanitized), by step id."""
     histories = step_histories(steps)
     refs = {v for s in steps for v in (s.item_refs or {}).values()}
-    contents = item_contents({i for h in histories.values() for i in h} | refs)
+    contents = item_contents({i for h in histories.values() for i in h} | refs, steps)
     out: dict[Any, dict] = {}
     for s in steps:
         obs = dict(s.observation_rest or {})
@@ -375,7 +423,8 @@ def compact_form(steps: Sequence[Any]) -> dict[Any, dict]:
     """ATDP's optional compact form of each step's history: `parent_step` (the step id it
     extends, or null), `kept` (how many of that step's history messages it keeps) and
     `appended` (the history messages it adds, in full)."""
-    contents = item_contents({i for s in steps if s.history_digest for i in s.appended or ()})
+    contents = item_contents({i for s in steps if s.history_digest for i in s.appended or ()},
+                             steps)
     return {s.pk: {"parent_step": str(s.parent_step) if s.parent_step else None,
                    "kept": s.kept, "appended": [contents[i] for i in s.appended or ()]}
             for s in steps if s.history_digest}
@@ -399,6 +448,37 @@ def reroot_children(step_ids: Sequence[Any]) -> int:
         child.kept = 0
     Step.objects.bulk_update(children, ["appended", "parent_step", "kept"], batch_size=500)
     return len(children)
+
+
+# Items whose content is an AnswerRef (ItemJSONField's format 3), with the step they point at.
+_ANSWER_REFS_SQL = ("SELECT id, encode(substring(content from 2 for 16), 'hex')::uuid "
+                    "FROM governance_conversationitem WHERE trajectory_id = ANY(%s::uuid[]) "
+                    "AND get_byte(content, 0) = 3")
+
+
+def keep_answers_of(trajectory_ids: Iterable[Any], doomed: Callable[[set], set]) -> int:
+    """Before steps are deleted (retention): every item of these trajectories that points at
+    the answer of one of them (decision 62) gets the answer message itself, so the steps that
+    reference the item read the same history after. `doomed(step ids)`: those of the given
+    steps that are going. Returns how many items were given their message."""
+    from django.db import connection
+
+    from governance.models import ConversationItem
+
+    ids = [str(t) for t in set(trajectory_ids)]
+    if not ids:
+        return 0
+    with connection.cursor() as cur:
+        cur.execute(_ANSWER_REFS_SQL, [ids])
+        refs = cur.fetchall()
+    going = doomed({step for _, step in refs}) if refs else set()
+    mine = [pk for pk, step in refs if step in going]
+    if not mine:
+        return 0
+    contents = item_contents(mine)
+    for pk in mine:
+        ConversationItem.objects.filter(pk=pk).update(content=contents[pk])
+    return len(mine)
 
 
 def delete_unreferenced_items(trajectory_ids: Iterable[Any]) -> int:

@@ -28,7 +28,9 @@ measured these by hand with pg_column_size). How the figures are made:
   are left out (the bench's by-table rows show them).
 - an echoed answer: an item a step appends that is equal to one of its parent step's answer
   messages (the action's `messages`): the agent sent back the answer it was given, and it is
-  stored again as an item, with its own findings and subject-index rows.
+  stored again as an item, with its own findings and subject-index rows. Since decision 62
+  such an item is a reference to the answer (19 bytes, no findings), counted apart as "answers
+  sent back, kept as a reference"; what is still an echo is one the store could not point at.
 - the opening: items of kind `tools` or `instructions`, and messages whose role is `system` or
   `developer`.
 """
@@ -151,7 +153,7 @@ def _unit_cost(costs: dict[str, Any]) -> float:
 
 def _echoes_and_openings(cur: Any, agent_id: int, tables: dict[str, dict[str, Any]]
                          ) -> dict[str, Any]:
-    from governance.models import ItemJSONField, StepJSONField
+    from governance.models import AnswerRef, ItemJSONField, StepJSONField
 
     cur.execute("SELECT x.id, x.kind, x.content, pg_column_size(x.content) "
                 f"FROM governance_conversationitem x WHERE {_BY_TRAJECTORY}",  # noqa: S608
@@ -172,6 +174,9 @@ def _echoes_and_openings(cur: Any, agent_id: int, tables: dict[str, dict[str, An
         mine = [i for i in appended or () if i in items
                 and items[i][1] in answers[parent]]
         echoed.update(mine)
+    # Items stored as a reference to the answer they repeat (decision 62): what is left of
+    # an answer sent back.
+    referenced = {pk for pk, (_, content, _) in items.items() if isinstance(content, AnswerRef)}
     opening = {pk for pk, (kind, content, _) in items.items()
                if kind in ("tools", "instructions")
                or (isinstance(content, dict) and content.get("role") in ("system", "developer"))}
@@ -193,7 +198,7 @@ def _echoes_and_openings(cur: Any, agent_id: int, tables: dict[str, dict[str, An
                 "subject_bytes": found["governance_subjectindex"]}
 
     return {"steps_with_parent": with_parent, "echoed": cost(echoed),
-            "opening": cost(opening)}
+            "referenced": cost(referenced), "opening": cost(opening)}
 
 
 def anatomy(agent_names: list[str] | None = None) -> list[dict[str, Any]]:
@@ -244,6 +249,7 @@ def report(entry: dict[str, Any]) -> str:
                          + ", ".join(f"{name} {size / calls:.0f}" for name, size in big))
     for what, label in (("echoed", "answers kept twice (an appended item equal to the parent "
                                    "step's answer)"),
+                        ("referenced", "answers sent back, kept as a reference (decision 62)"),
                         ("opening", "openings (system prompt, tools, instructions items)")):
         e = entry[what]
         total = (e["item_bytes"] + e["finding_bytes"] + e["subject_bytes"]) / calls
