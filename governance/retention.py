@@ -204,8 +204,7 @@ def _purge_batch(tenant_id: int, policies: dict[str, Effective], now: datetime,
             # takes its whole history itself first; items no step references go after.
             reroot_children(doomed)
             # Items repeating a purged step's answer get the message itself (decision 62).
-            going = set(doomed)
-            keep_answers_of(traj_ids, going.intersection)
+            keep_answers_of(traj_ids, Step.objects.filter(pk__in=doomed))
             # Rows of the model itself: delete()'s total counts the cascaded findings too.
             counts["steps"] = Step.objects.filter(pk__in=doomed).delete()[1].get(
                 Step._meta.label, 0)
@@ -369,8 +368,7 @@ def _release_month(tenant_id: int, month: Month) -> tuple[dict[str, int], set]:
     parents = list(Step.objects.filter(parent_step__in=steps.values("pk")).exclude(_in(month))
                    .values_list("parent_step", flat=True).distinct())
     reroot_children(parents)
-    keep_answers_of(traj_ids, lambda targets: set(
-        steps.filter(pk__in=targets).values_list("pk", flat=True)))
+    keep_answers_of(traj_ids, steps)
     bases = list(Interaction.objects.filter(trajectory_id__in=interactions.values("trajectory_id"),
                                             raw_base_flow__in=interactions.values("flow_id"),
                                             raw_ciphertext__isnull=False)

@@ -181,3 +181,21 @@ def test_migration_0038_gives_every_item_its_message_and_back(tenant, agent, tmp
         call_command("migrate", "governance", verbosity=0)
     assert ConversationItem.objects.filter(pk__in=list(refs)).count() == 2
     assert _sent(records, tenant) == before
+
+
+def test_only_references_a_remaining_step_reads_are_given_their_message(tenant, agent,
+                                                                        tmp_path):
+    """A month's drop must not rewrite every reference of the month: an item that only doomed
+    steps reference is left to delete_unreferenced_items."""
+    from governance.capture.conversation import keep_answers_of, reroot_children
+
+    traj = str(uuid.uuid4())
+    ship_and_build(tmp_path, _session(tenant, agent, traj, timezone.now().timestamp() - 50))
+    steps = _steps(traj)
+    with tenant_context(tenant):
+        every = Step.objects.filter(trajectory_id=traj)
+        assert keep_answers_of([traj], every) == 0
+        assert len(_pointing(traj)) == 2
+        reroot_children([steps[0].pk])
+        assert keep_answers_of([traj], Step.objects.filter(pk=steps[0].pk)) == 1
+    assert [r.step_id for r in _pointing(traj).values()] == [steps[1].pk]

@@ -456,29 +456,43 @@ _ANSWER_REFS_SQL = ("SELECT id, encode(substring(content from 2 for 16), 'hex'):
                     "AND get_byte(content, 0) = 3")
 
 
-def keep_answers_of(trajectory_ids: Iterable[Any], doomed: Callable[[set], set]) -> int:
+def keep_answers_of(trajectory_ids: Iterable[Any], doomed: Any) -> int:
     """Before steps are deleted (retention): every item of these trajectories that points at
-    the answer of one of them (decision 62) gets the answer message itself, so the steps that
-    reference the item read the same history after. `doomed(step ids)`: those of the given
-    steps that are going. Returns how many items were given their message."""
+    the answer of one of them (decision 62) and that a remaining step still references gets
+    the answer message itself, so that step reads the same history after. `doomed`: a Step
+    queryset of the steps that are going (their children re-rooted already: a remaining step
+    then holds in its own `appended` every item it reads that a doomed step held). Items only
+    doomed steps reference are left alone: delete_unreferenced_items deletes them after, and
+    a month's drop would otherwise rewrite nearly every reference of the month. Returns how
+    many items were given their message."""
     from django.db import connection
 
-    from governance.models import ConversationItem
+    from governance.models import ConversationItem, Step
 
     ids = [str(t) for t in set(trajectory_ids)]
     if not ids:
         return 0
     with connection.cursor() as cur:
         cur.execute(_ANSWER_REFS_SQL, [ids])
-        refs = cur.fetchall()
-    going = doomed({step for _, step in refs}) if refs else set()
-    mine = [pk for pk, step in refs if step in going]
-    if not mine:
+        refs = dict(cur.fetchall())
+    if not refs:
         return 0
-    contents = item_contents(mine)
-    for pk in mine:
-        ConversationItem.objects.filter(pk=pk).update(content=contents[pk])
-    return len(mine)
+    going = set(doomed.filter(pk__in=set(refs.values())).values_list("pk", flat=True))
+    candidates = {pk for pk, step in refs.items() if step in going}
+    if not candidates:
+        return 0
+    held = set()
+    for appended in (Step.objects.filter(trajectory_id__in=ids,
+                                         appended__overlap=sorted(candidates))
+                     .exclude(pk__in=doomed.values("pk")).values_list("appended", flat=True)):
+        held.update(candidates.intersection(appended))
+    if not held:
+        return 0
+    contents = item_contents(held)
+    ConversationItem.objects.bulk_update(
+        [ConversationItem(pk=pk, content=contents[pk]) for pk in sorted(held)], ["content"],
+        batch_size=500)
+    return len(held)
 
 
 def delete_unreferenced_items(trajectory_ids: Iterable[Any]) -> int:
