@@ -481,7 +481,8 @@ def _hand_over_item_rows(dead: _StepWrite, later: list[_StepWrite]) -> set[int]:
 
 
 def _point_at_answers(rows: dict[tuple[Any, str], ConversationItem],
-                      owners: dict[tuple[Any, str], _StepWrite], writes: list[_StepWrite]
+                      owners: dict[tuple[Any, str], _StepWrite],
+                      writes_by_step: dict[Any, _StepWrite]
                       ) -> dict[tuple[Any, str], tuple[Any, Any]]:
     """Decision 62: a new chat message that is exactly one of the messages of its first
     carrier's parent step's answer — the agent sending back the answer it was given, in 1,968
@@ -489,8 +490,8 @@ def _point_at_answers(rows: dict[tuple[Any, str], ConversationItem],
     AnswerRef to that message (19 bytes) instead of a second copy (~250 bytes packed), and
     without findings (the answer's step holds them: counted once). Its subject-index row
     stays: erasure finds the trajectory by the item as before. Sets the rows' content; returns
-    item key -> (answering step id, the message) for the rows that point."""
-    writes_by_step = {w.step.pk: w for w in writes if w.step is not None}
+    item key -> (answering step id, the message) for the rows that point. `writes_by_step`:
+    the batch's new steps' writes by step id (their answers are read from them)."""
     parents = {key: owners[key].step.parent_step for key, row in rows.items()
                if row.kind == ConversationItem.Kind.MESSAGE
                and owners[key].step.endpoint == "chat.completions"
@@ -620,7 +621,8 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
                 sanitizer_version=version, content=known[tid].content[digest],
                 first_step=w.step.pk)
             owners[key] = w
-    pointing = _point_at_answers(rows, owners, writes)
+    writes_by_step = {w.step.pk: w for w in writes if w.step is not None}
+    pointing = _point_at_answers(rows, owners, writes_by_step)
     inserted, refused = _insert_items(rows)
     for pk, tid, digest in inserted:
         known[tid].ids[digest] = pk
@@ -631,7 +633,6 @@ def _link_items(tenant_id: int, writes: list[_StepWrite], known: dict[Any, Traje
         for tid, items in again.items():
             known[tid].ids.update(items.ids)
     ours = {(tid, digest) for _, tid, digest in inserted}
-    writes_by_step = {w.step.pk: w for w in writes if w.step is not None}
     for key, (parent, message) in pointing.items():
         if key in ours and parent in writes_by_step:  # an earlier batch's step is stored
             writes_by_step[parent].pointed.append((known[key[0]].ids[key[1]], message))

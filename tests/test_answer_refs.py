@@ -199,3 +199,34 @@ def test_only_references_a_remaining_step_reads_are_given_their_message(tenant, 
         reroot_children([steps[0].pk])
         assert keep_answers_of([traj], Step.objects.filter(pk=steps[0].pk)) == 1
     assert [r.step_id for r in _pointing(traj).values()] == [steps[1].pk]
+
+
+def test_an_answering_step_dropped_with_a_refused_item_gives_its_answer_back(tenant, agent,
+                                                                            tmp_path):
+    """The first call carries a message the database refuses (a NUL): it is dropped, and the
+    next call, which keeps that message, with it. The item repeating the first call's answer
+    (no identifiers in it: no rows that would take it along) must not point at the step that
+    was never stored, or the next batch reading it by digest would fail."""
+    traj = str(uuid.uuid4())
+    t0 = timezone.now().timestamp() - 50
+    history = [SYSTEM, {"role": "user", "content": "a\u0000b"}]
+    first = make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0,
+                        request={"model": "m", "messages": list(history)},
+                        response=chat_response("Noted."))
+    history += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Go."}]
+    second = make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + 1,
+                         request={"model": "m", "messages": list(history)},
+                         response=chat_response("Done."))
+    ship_and_build(tmp_path / "a", [first, second])  # one batch
+    assert not Step.objects.filter(trajectory_id=traj).exists()
+    assert not _pointing(traj)
+    # A later call sending the answer again reads the item by its digest.
+    third = make_record(tenant.pk, agent.pk, trajectory_id=traj, t=t0 + 2, request={
+        "model": "m", "messages": [SYSTEM, {"role": "assistant", "content": "Noted."},
+                                   {"role": "user", "content": "Again."}]},
+        response=chat_response("ok"))
+    ship_and_build(tmp_path / "b", [third])
+    with tenant_context(tenant):
+        step = Step.objects.get(pk=third["step_id"])
+        assert observations([step])[step.pk]["messages"][1] == {"role": "assistant",
+                                                                "content": "Noted."}
