@@ -47,16 +47,17 @@ counted): every run sends the same new content, and a worker that had seen it wo
 strings from the sanitizer's detection cache (governance/sanitizing.py's AnalysisCache) instead of
 analysing them — the second run of the same text measured that cache, not the pipeline. Per run it
 prints the time from the first send until the last step exists (every interaction processed or
-quarantined), the database growth (sum of pg_total_relation_size over every table of the app
-schema, before/after; nothing is deleted between runs), the ATDP documents' bytes
+quarantined), the database growth (sum of pg_total_relation_size over every table of the app schema,
+before/after; nothing is deleted between runs), the ATDP documents' bytes
 (governance.capture.atdp.trajectory_document of each trajectory), database bytes per call against
-the call's new content (JSON of the new messages), the sustained calls/s (calls / time to
-sanitized) with step lag p50/p95 (step created_at - the proxy's t_request), the time to open the
-raw payload of a session's last call cold (its delta chain read and rebuilt; the worst of two
-sessions) with how many payloads are sealed whole, where a call's bytes go (growth per call by
-table, the largest twelve), where the worker's time went (its log line per built batch: batches,
-seconds by stage, delta chains started from the last opened call, strings whose detection was
-cached), and the ratios session / one-off.
+the call's new content (JSON of the new messages, and at a conversation's first call its system
+prompt and tool schemas: decision 63; the ratio against the new messages alone beside it), the
+sustained calls/s (calls / time to sanitized) with step lag p50/p95 (step created_at - the proxy's
+t_request), the time to open the raw payload of a session's last call cold (its delta chain read and
+rebuilt; the worst of two sessions) with how many payloads are sealed whole, where a call's bytes go
+(growth per call by table, the largest twelve), where the worker's time went (its log line per built
+batch: batches, seconds by stage, delta chains started from the last opened call, strings whose
+detection was cached), and the ratios session / one-off.
 `--clock-in-system` ends the system prompt with the date, time and turn of the call, so the
 first message of a session changes at every call (agents that put the date or a memory block
 in their system prompt); in every mode.
@@ -160,6 +161,14 @@ BACKLOG_MODES = ("one-off", "session")
 # database per call against its new content, sustained rate against the NER floor, lag p95.
 RATIO_TARGETS = {60: 1.2, 200: 1.5}
 BYTES_PER_NEW_BYTE_TARGET = 3.0
+
+
+def new_content_per_call(run: dict) -> float:
+    """A call's new content, as the bytes-per-new-byte target counts it (decision 63): what it
+    sent or was answered that no earlier call of its conversation carried — its new messages,
+    and at a conversation's first call its system prompt and tool schemas too (a one-off call
+    is its own conversation: all of it is new)."""
+    return run["new_bytes_per_call"] + run["opening_bytes_per_call"]
 FLOOR_FACTOR_TARGET = 1.5
 LAG_P95_TARGET_S = 5.0
 
@@ -1348,7 +1357,7 @@ def targets(entry: dict) -> list[tuple[str, float | None, float, bool]]:
         for what, key in (("time ratio", "time_to_sanitized_s"), ("db ratio", "db_growth_bytes")):
             r = ratio(s[key], o[key])
             out.append((f"{what} at {n}", r, limit, r is not None and r <= limit))
-    per = ratio(s["db_bytes_per_call"], s["new_bytes_per_call"])
+    per = ratio(s["db_bytes_per_call"], new_content_per_call(s))
     out.append(("session db bytes / new byte", per, BYTES_PER_NEW_BYTE_TARGET,
                 per is not None and per <= BYTES_PER_NEW_BYTE_TARGET))
     if shaped and n == 60:
@@ -1387,12 +1396,14 @@ def shape_table(entry: dict) -> str:
         ("ATDP documents, compact form MB", lambda r: r["atdp_compact_bytes"] / mb),
         ("database KB per call", lambda r: r["db_bytes_per_call"] / 1024),
         ("shared detection cache on disk MB", lambda r: r.get("detection_cache_bytes", 0) / mb),
-        ("new content KB per call", lambda r: r["new_bytes_per_call"] / 1024),
+        ("new content KB per call", lambda r: new_content_per_call(r) / 1024),
+        ("  of which openings KB per call", lambda r: r["opening_bytes_per_call"] / 1024),
+        # The target's figure: the system prompt and tools are new at a conversation's first
+        # call (decision 63); beside it the same bytes against the new messages alone.
         ("database bytes / new byte", lambda r: ratio(r["db_bytes_per_call"],
-                                                      r["new_bytes_per_call"])),
-        # The system prompt and tools counted as new at each conversation's first call.
-        ("  with openings counted as new", lambda r: ratio(
-            r["db_bytes_per_call"], r["new_bytes_per_call"] + r["opening_bytes_per_call"])),
+                                                      new_content_per_call(r))),
+        ("  against new messages only (openings left out)", lambda r: ratio(
+            r["db_bytes_per_call"], r["new_bytes_per_call"])),
         ("sustained calls/s", lambda r: r["calls_per_s"]),
         ("step lag p50 s", lambda r: r["lag_p50_s"]),
         ("step lag p95 s", lambda r: r["lag_p95_s"]),
@@ -1424,7 +1435,7 @@ def shape_table(entry: dict) -> str:
         line = f"{label:38}" + "".join(f"{_fmt(values[m]):>12}" for m in modes)
         if not label.startswith(("trajectories", "steps", "new content", "  of which",
                                  "agent alone", "open the last", "raw payloads",
-                                 "  with openings")):
+                                 "  against new messages")):
             line += "".join(f"{_fmt(ratio(values[m], values['one-off'])):>15}"
                             for m in modes if m != "one-off")
         lines.append(line)
@@ -1502,7 +1513,7 @@ def summary_table(result: dict) -> str:
             f"({s['db_growth_bytes'] / mb:.1f} MB vs {o['db_growth_bytes'] / mb:.1f} MB)"
             f"{_fmt(ratio(s['atdp_bytes'], o['atdp_bytes'])) + 'x':>8}"
             f"{_fmt(ratio(s['atdp_compact_bytes'], o['atdp_compact_bytes'])) + 'x':>9}"
-            f"{_fmt(ratio(s['db_bytes_per_call'], s['new_bytes_per_call'])):>12}")
+            f"{_fmt(ratio(s['db_bytes_per_call'], new_content_per_call(s))):>12}")
     return "\n".join(lines)
 
 
